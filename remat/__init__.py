@@ -1,0 +1,28 @@
+"""remat: JAX's ``jax.checkpoint`` for PyTorch.
+
+Rematerialize (recompute) a function's intermediate values in the backward pass
+instead of holding them, chosen per operation by a named policy, on pytrees, in
+eager autograd and under ``torch.func``.
+"""
+
+from . import policies as policies
+from ._api import checkpoint as checkpoint
+from ._api import checkpoint_name as checkpoint_name
+from ._api import remat as remat
+from ._errors import NondeterministicRecomputeError as NondeterministicRecomputeError
+from ._errors import RematError as RematError
+from ._errors import SavedInputMutatedError as SavedInputMutatedError
+from ._state import is_recomputing as is_recomputing
+
+__all__ = [
+    "NondeterministicRecomputeError",
+    "RematError",
+    "SavedInputMutatedError",
+    "checkpoint",
+    "checkpoint_name",
+    "is_recomputing",
+    "policies",
+    "remat",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,267 @@
+"""`remat.remat` and `remat.checkpoint_name`: validate, resolve the policy, pick an engine."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar, overload
+
+import torch
+
+from . import policies
+from ._engines.hooks import run_eager
+from ._pytree import tensor_leaves
+from ._region import Region, describe_callable
+from ._state import local
+
+__all__ = ["checkpoint", "checkpoint_name", "remat"]
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+Engine = Literal["auto", "eager", "functional"]
+_ENGINES = ("auto", "eager", "functional")
+
+
+@overload
+def remat(
+    fn: F,
+    /,
+    *,
+    policy: Any = ...,
+    static_argnums: int | Sequence[int] = ...,
+    static_argnames: str | Sequence[str] = ...,
+    preserve_rng_state: bool = ...,
+    determinism_check: bool = ...,
+    debug: bool = ...,
+    engine: Engine = ...,
+) -> F: ...
+
+
+@overload
+def remat(
+    fn: None = None,
+    /,
+    *,
+    policy: Any = ...,
+    static_argnums: int | Sequence[int] = ...,
+    static_argnames: str | Sequence[str] = ...,
+    preserve_rng_state: bool = ...,
+    determinism_check: bool = ...,
+    debug: bool = ...,
+    engine: Engine = ...,
+) -> Callable[[F], F]: ...
+
+
+def remat(
+    fn: F | None = None,
+    /,
+    *,
+    policy: Any = "nothing-saveable",
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    preserve_rng_state: bool = True,
+    determinism_check: bool = True,
+    debug: bool = False,
+    engine: Engine = "auto",
+) -> F | Callable[[F], F]:
+    """Rematerialize ``fn``: keep only what ``policy`` saves, recompute the rest in backward.
+
+    Works as a decorator with or without arguments, on functions, methods and
+    ``nn.Module`` instances; inputs and outputs are any pytrees. Gradients are
+    those of ``fn`` for every policy, in eager autograd and under ``torch.func``.
+
+    Args:
+        fn (callable): the function to rematerialize.
+        policy (str | Policy | callable | list of ops, optional): what to keep for
+            backward; see `remat.policies.resolve`. Default: "nothing-saveable".
+        static_argnums (int | sequence of int, optional): positional arguments
+            passed through untouched (Python values that select code paths).
+        static_argnames (str | sequence of str, optional): keyword arguments
+            passed through untouched.
+        preserve_rng_state (bool, optional): replay the forward's random state in
+            the recompute, so dropout masks match. Default: True.
+        determinism_check (bool, optional): check that the recompute runs the same
+            ops on the same shapes as the forward, and raise `RematError` naming
+            the first difference if not. Default: True.
+        debug (bool, optional): record the op log of every region, so a failed
+            check prints the forward and recompute logs side by side. The
+            environment variable ``REMAT_DEBUG=1`` turns it on everywhere.
+        engine ("auto" | "eager" | "functional", optional): "auto" uses the
+            ``torch.func`` engine when a transform is active and the eager one
+            otherwise. Default: "auto".
+
+    Returns:
+        The rematerialized function (or a decorator, when ``fn`` is omitted).
+
+    Raises:
+        TypeError: ``fn`` is not callable, or an option has the wrong type.
+        ValueError: the policy or a static argument is unknown.
+
+    Example:
+        >>> import torch, remat
+        >>> @remat.remat(policy="dots-saveable")
+        ... def mlp(x, params):
+        ...     return torch.tanh(x @ params["w1"]) @ params["w2"]
+        >>> params = {"w1": torch.randn(4, 8, requires_grad=True),
+        ...           "w2": torch.randn(8, 2, requires_grad=True)}
+        >>> mlp(torch.randn(3, 4), params).sum().backward()
+        >>> params["w1"].grad.shape
+        torch.Size([4, 8])
+    """
+    options = dict(
+        policy=policy,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        preserve_rng_state=preserve_rng_state,
+        determinism_check=determinism_check,
+        debug=debug,
+        engine=engine,
+    )
+    if fn is None:
+        return functools.partial(remat, **options)
+    if not callable(fn):
+        raise TypeError(f"remat.remat: expected a callable to rematerialize, got {fn!r}")
+    return _make_wrapper(fn, **options)
+
+
+checkpoint = remat
+
+
+def _make_wrapper(
+    fn: F,
+    *,
+    policy: Any,
+    static_argnums: int | Sequence[int],
+    static_argnames: str | Sequence[str],
+    preserve_rng_state: bool,
+    determinism_check: bool,
+    debug: bool,
+    engine: str,
+) -> F:
+    if engine not in _ENGINES:
+        raise ValueError(f"remat.remat: engine must be one of {_ENGINES}, got {engine!r}")
+    argnums = _normalize(static_argnums, int, "static_argnums")
+    argnames = _normalize(static_argnames, str, "static_argnames")
+    _check_static(fn, argnums, argnames)
+    region = Region(
+        fn=fn,
+        policy=policies.resolve(policy),
+        preserve_rng_state=bool(preserve_rng_state),
+        determinism_check=bool(determinism_check),
+        debug=bool(debug) or os.environ.get("REMAT_DEBUG", "") not in ("", "0"),
+        label=describe_callable(fn),
+        static_argnums=frozenset(argnums),
+        static_argnames=frozenset(argnames),
+    )
+
+    def rematerialized(*args: Any, **kwargs: Any) -> Any:
+        return _call(region, engine, args, kwargs)
+
+    if isinstance(fn, torch.nn.Module):
+        functools.update_wrapper(rematerialized, type(fn).forward, updated=())
+    else:
+        functools.update_wrapper(rematerialized, fn)
+    rematerialized.__remat_region__ = region  # type: ignore[attr-defined]
+    return rematerialized  # type: ignore[return-value]
+
+
+def _call(
+    region: Region,
+    engine: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    for i in region.static_argnums:
+        if not -len(args) <= i < len(args):
+            raise ValueError(
+                f"remat.remat: static_argnums contains {i}, but {region.label} was called "
+                f"with {len(args)} positional arguments"
+            )
+    if engine == "functional" or (engine == "auto" and _transform_active()):
+        from ._engines.functional import run_functional
+
+        return run_functional(region, args, kwargs)
+    return run_eager(region, args, kwargs)
+
+
+def _transform_active() -> bool:
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def _normalize(value: Any, kind: type, what: str) -> tuple[Any, ...]:
+    items = (value,) if isinstance(value, kind) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise TypeError(
+            f"remat.remat: {what} must be {kind.__name__} or a sequence of them, got {value!r}"
+        ) from None
+    for item in items:
+        if not isinstance(item, kind) or isinstance(item, bool):
+            raise TypeError(
+                f"remat.remat: {what} must contain only {kind.__name__}s, got {item!r}"
+            )
+    return items
+
+
+def _check_static(
+    fn: Callable[..., Any], argnums: tuple[int, ...], argnames: tuple[str, ...]
+) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins and some C callables have none: checked at call time
+    params = list(signature.parameters.values())
+    kinds = {p.kind for p in params}
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if inspect.Parameter.VAR_POSITIONAL not in kinds:
+        for i in argnums:
+            if not -len(positional) <= i < len(positional):
+                raise ValueError(
+                    f"remat.remat: static_argnums contains {i}, but {describe_callable(fn)} "
+                    f"takes {len(positional)} positional arguments"
+                )
+    if inspect.Parameter.VAR_KEYWORD not in kinds:
+        known = {p.name for p in params if p.kind is not p.POSITIONAL_ONLY}
+        for name in argnames:
+            if name not in known:
+                raise ValueError(
+                    f"remat.remat: static_argnames contains {name!r}, but "
+                    f"{describe_callable(fn)} has no such parameter; its parameters are "
+                    f"{sorted(known)}"
+                )
+
+
+def checkpoint_name(x: T, name: str) -> T:
+    """Tag a value (a tensor, or every tensor of a pytree) with ``name`` for name policies.
+
+    An identity: it returns ``x`` itself. Inside a rematerialized region, the
+    policy then decides what happens to that value by its name
+    (``"save:attn_out"``, `remat.policies.save_only_these_names`, ...). Outside
+    any region it does nothing.
+
+    Args:
+        x (Tensor | pytree): the value to tag.
+        name (str): the name policies refer to.
+
+    Returns:
+        ``x``, unchanged.
+
+    Example:
+        >>> import torch, remat
+        >>> @remat.remat(policy="save:hidden")
+        ... def f(x, w):
+        ...     h = remat.checkpoint_name(torch.relu(x @ w), "hidden")
+        ...     return (h @ w).sum()
+        >>> w = torch.randn(3, 3, requires_grad=True)
+        >>> f(torch.randn(2, 3), w).backward()
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"remat.checkpoint_name: name must be a str, got {name!r}")
+    if local.recorders:
+        recorder = local.recorders[-1]
+        for leaf in tensor_leaves(x):
+            recorder.log.name(leaf, name)
+    return x

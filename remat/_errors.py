@@ -1,0 +1,17 @@
+"""Errors raised by remat at run time."""
+
+from __future__ import annotations
+
+__all__ = ["NondeterministicRecomputeError", "RematError", "SavedInputMutatedError"]
+
+
+class RematError(RuntimeError):
+    """A rematerialized region failed at run time (see the message for the fix)."""
+
+
+class NondeterministicRecomputeError(RematError):
+    """The recompute of a region did not reproduce what its forward pass saw."""
+
+
+class SavedInputMutatedError(RematError):
+    """A region input was mutated in place between the forward and the recompute."""

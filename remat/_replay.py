@@ -1,0 +1,292 @@
+"""Dispatch modes that record a region's forward and replay it in the recompute.
+
+NOTE [ Record and replay ]
+1. In the forward pass `RecordMode` sees every aten op of the region (below
+   autograd and below every functorch layer), asks the policy for a verdict and
+   appends an `OpRecord` to the region's `OpLog`. Outputs the policy keeps
+   (``SAVE``/``OFFLOAD``) are held as detached aliases in the record.
+2. Every tensor an op returns is tagged with ``(log serial, op index, output
+   position)``. The eager engine's pack hook reads the tag to find the decision
+   for a tensor autograd saves; `checkpoint_name` reads it to find the op whose
+   output is being named.
+3. In the recompute `ReplayMode` counts ops; an op whose outputs are all kept is
+   not run: its kept outputs are returned (autograd, above the mode, still
+   records the op, so gradients flow through it). A kept output that was mutated
+   in place after it was kept is not replayed; the op runs again instead.
+4. Random ops are never kept: skipping one in the recompute would shift the
+   random stream for every later op. In-place ops are never kept either: their
+   output is their input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _ops
+from ._errors import NondeterministicRecomputeError
+from ._state import local
+from .policies import Decision, Policy
+
+__all__ = ["OpLog", "OpRecord", "RecordMode", "ReplayMode", "TAG", "detached_alias"]
+
+#: Attribute set on every tensor a recorded op returns: (log serial, op index, position).
+TAG = "_remat_src"
+
+_serials = itertools.count(1)
+
+# NOTE: `detach` is invisible to both modes. The engines detach tensors inside
+# saved-tensor hooks, at points that differ between forward and recompute; a
+# detached tensor carries its source's tag so the policy still applies to it.
+_DETACH = torch.ops.aten.detach.default
+
+
+def _inherit_tag(source: Any, out: Any) -> None:
+    tag = getattr(source, TAG, None)
+    if tag is not None and isinstance(out, torch.Tensor):
+        setattr(out, TAG, tag)
+
+
+def _unwrap_functorch(t: torch.Tensor) -> torch.Tensor:
+    # Python code under vmap/grad sees wrapper tensors; the modes tag the physical ones.
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
+
+
+def detached_alias(t: torch.Tensor) -> torch.Tensor:
+    """A detached alias that shares ``t``'s version counter, usable below autograd.
+
+    Inside ``__torch_dispatch__`` the ADInplaceOrView key is excluded, and a
+    plain ``detach`` there would get a fresh version counter; then neither our
+    mutation check nor autograd's would see in-place writes to the alias.
+    """
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return t.detach()
+
+
+@dataclasses.dataclass(slots=True)
+class OpRecord:
+    """One op of a region's forward: what it was and what the policy decided."""
+
+    op: Any
+    verdict: Hashable
+    decision: Decision
+    #: Kept outputs by position (detached aliases), None where not kept.
+    kept: list[torch.Tensor | None] | None = None
+    #: Version of each kept output when it was kept (a mismatch means it was mutated).
+    versions: list[int] | None = None
+    #: Decisions that `checkpoint_name` set for single outputs, by position.
+    named: dict[int, tuple[str, Decision]] | None = None
+
+    def decision_at(self, position: int) -> Decision:
+        if self.named is not None and position in self.named:
+            return self.named[position][1]
+        return self.decision
+
+    def keep(self, position: int, tensor: torch.Tensor, count: int) -> None:
+        if self.kept is None:
+            self.kept = [None] * count
+            self.versions = [0] * count
+        assert self.versions is not None, "this is a bug in remat, please report it"
+        self.kept[position] = detached_alias(tensor)
+        self.versions[position] = tensor._version
+
+    def release(self) -> None:
+        self.kept = None
+        self.versions = None
+
+    def replayable(self) -> list[torch.Tensor | None] | None:
+        """The kept outputs if none was mutated since, else None."""
+        if self.kept is None or self.versions is None:
+            return None
+        for tensor, version in zip(self.kept, self.versions, strict=True):
+            if tensor is not None and tensor._version != version:
+                return None
+        return self.kept
+
+
+class OpLog:
+    """The record of one forward of one region."""
+
+    def __init__(self, policy: Policy, label: str) -> None:
+        self.policy = policy
+        self.label = label
+        self.serial = next(_serials)
+        self.records: list[OpRecord] = []
+
+    def record(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        index = len(self.records)
+        outputs = _flat_tensors(out)
+        if _ops.is_random(op) or _ops.is_inplace_or_out(op):
+            verdict: Hashable = None
+            decision = Decision.RECOMPUTE
+        else:
+            verdict = self.policy.decide_op(op, args, kwargs)
+            decision = self.policy.decide(verdict, None)
+        rec = OpRecord(op, verdict, decision)
+        self.records.append(rec)
+        for position, tensor in enumerate(outputs):
+            setattr(tensor, TAG, (self.serial, index, position))
+            if decision is not Decision.RECOMPUTE:
+                rec.keep(position, tensor, len(outputs))
+
+    def lookup(self, tensor: torch.Tensor) -> tuple[OpRecord, int] | None:
+        """The record and output position that produced ``tensor`` in this log, if any."""
+        tag = getattr(tensor, TAG, None)
+        if tag is None or tag[0] != self.serial:
+            return None
+        return self.records[tag[1]], tag[2]
+
+    def name(self, tensor: torch.Tensor, name: str) -> None:
+        """Apply the policy's decision for a value tagged ``name``."""
+        tensor = _unwrap_functorch(tensor)
+        found = self.lookup(tensor)
+        if found is None:
+            return  # a region input or a closed-over tensor: kept anyway
+        rec, position = found
+        if _ops.is_random(rec.op) or _ops.is_inplace_or_out(rec.op):
+            return  # never kept, see NOTE rule 4
+        decision = self.policy.decide(rec.verdict, name)
+        if rec.named is None:
+            rec.named = {}
+        rec.named[position] = (name, decision)
+        if decision is Decision.RECOMPUTE:
+            if rec.kept is not None:
+                rec.kept[position] = None
+        else:
+            count = len(rec.kept) if rec.kept is not None else position + 1
+            rec.keep(position, tensor, max(count, position + 1))
+
+    def op_names(self) -> list[str]:
+        return [str(rec.op) for rec in self.records]
+
+
+def _flat_tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+class RecordMode(TorchDispatchMode):
+    """Record every op of a region's forward into an `OpLog` (see NOTE rule 1)."""
+
+    def __init__(self, log: OpLog) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.log = log
+
+    def __enter__(self) -> RecordMode:
+        local.recorders.append(self)
+        try:
+            super().__enter__()  # type: ignore[no-untyped-call]
+        except BaseException:
+            local.recorders.pop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        finally:
+            local.recorders.remove(self)
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is _DETACH:
+            _inherit_tag(args[0], out)
+        else:
+            self.log.record(func, args, kwargs, out)
+        return out
+
+
+class ReplayMode(TorchDispatchMode):
+    """Recompute a region, returning kept outputs instead of running their ops."""
+
+    def __init__(self, log: OpLog, check: bool = True) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.log = log
+        self.check = check
+        self.index = 0
+        self.ran: list[Any] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is _DETACH:
+            return func(*args, **kwargs)
+        index = self.index
+        self.index += 1
+        records = self.log.records
+        rec = records[index] if index < len(records) else None
+        self.ran.append(func)
+        if self.check and (rec is None or rec.op != func):
+            raise self.mismatch(index, func)
+        kept = rec.replayable() if rec is not None else None
+        if kept is not None and all(t is not None for t in kept):
+            return _rebuild(func, [detached_alias(t) for t in kept if t is not None])
+        out = func(*args, **kwargs)
+        if kept is not None:
+            out = _substitute(out, kept)
+        return out
+
+    def mismatch(self, index: int, func: Any) -> NondeterministicRecomputeError:
+        forward = self.log.op_names()
+        expected = forward[index] if index < len(forward) else "(the forward had ended)"
+        return NondeterministicRecomputeError(
+            f"remat: the recompute of {self.log.label} differs from its forward at op "
+            f"#{index}: the forward ran {expected}, the recompute ran {func}.\n"
+            "The function must run the same ops on every call: make control flow depend "
+            "only on its inputs and static arguments, or use policy='everything-saveable' "
+            "for this region. Pass debug=True to remat.remat to see both op logs.\n"
+            + side_by_side(forward, [str(f) for f in self.ran])
+        )
+
+
+def _rebuild(func: Any, tensors: list[torch.Tensor]) -> Any:
+    returns = func._schema.returns
+    if len(returns) == 1 and str(returns[0].type) == "Tensor":
+        return tensors[0]
+    if len(returns) == 1 and "[]" in str(returns[0].type):
+        return list(tensors)
+    return tuple(tensors)
+
+
+def _substitute(out: Any, kept: list[torch.Tensor | None]) -> Any:
+    if isinstance(out, torch.Tensor):
+        return detached_alias(kept[0]) if kept and kept[0] is not None else out
+    items = list(out)
+    position = 0
+    for i, item in enumerate(items):
+        if isinstance(item, torch.Tensor):
+            replacement = kept[position] if position < len(kept) else None
+            if replacement is not None:
+                items[i] = detached_alias(replacement)
+            position += 1
+    return type(out)(items) if isinstance(out, tuple) else items
+
+
+def side_by_side(forward: list[str], recompute: list[str], limit: int = 40) -> str:
+    """Format the forward and recompute op logs in two columns, marking the first difference."""
+    width = max((len(s) for s in forward[:limit]), default=10) + 2
+    lines = [f"    {'forward':<{width}}recompute"]
+    marked = False
+    for i in range(min(max(len(forward), len(recompute)), limit)):
+        left = forward[i] if i < len(forward) else "-"
+        right = recompute[i] if i < len(recompute) else "-"
+        mark = "  "
+        if not marked and left != right:
+            mark, marked = "->", True
+        lines.append(f"{mark}{i:>3} {left:<{width}}{right}")
+    return "\n".join(lines)

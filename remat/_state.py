@@ -1,0 +1,60 @@
+"""Thread-local state shared by the engines: who is recording, who is recomputing."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["is_recomputing", "recomputing", "local"]
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        #: How many recomputes are running on this thread (nested regions recompute inside).
+        self.recompute_depth = 0
+        #: Eager frames whose forward or recompute is running, innermost last.
+        self.frames: list[Any] = []
+        #: Op recorders (RecordMode) that `checkpoint_name` reports to, innermost last.
+        self.recorders: list[Any] = []
+        #: The `save_last` frame that keeps its activations until the next one starts.
+        self.last_region: Any = None
+
+
+local = _Local()
+
+
+def is_recomputing() -> bool:
+    """Return True while a region's forward is being replayed for the backward pass.
+
+    Python side effects inside a rematerialized function (appending to a list,
+    counting calls, updating statistics) run again when the function is
+    recomputed; guard them with this.
+
+    Returns:
+        bool: whether the calling code runs inside a recompute.
+
+    Example:
+        >>> import torch, remat
+        >>> calls = []
+        >>> @remat.remat
+        ... def f(x):
+        ...     if not remat.is_recomputing():
+        ...         calls.append("forward")
+        ...     return x.sin().sin()
+        >>> f(torch.ones(2, requires_grad=True)).sum().backward()
+        >>> calls
+        ['forward']
+    """
+    return local.recompute_depth > 0
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Mark the enclosed code as a recompute (see `is_recomputing`)."""
+    local.recompute_depth += 1
+    try:
+        yield
+    finally:
+        local.recompute_depth -= 1

@@ -1,0 +1,105 @@
+"""Shared test helpers: example programs, a no-remat reference, an op counter."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: Policies every engine test runs under (strings, as users write them).
+POLICIES = (
+    "nothing-saveable",
+    "everything-saveable",
+    "dots-saveable",
+    "dots-no-batch-saveable",
+    "save:hidden",
+    "save-except:hidden",
+    "everything-except:hidden",
+    "save-last",
+    "save-last+dots-saveable",
+    "offload-dots",
+)
+
+
+class OpCounter(TorchDispatchMode):
+    """Count aten ops by short name (``mm``, ``gelu``, ...) while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def grads(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], seed: int = 0,
+          create_graph: bool = False) -> tuple[torch.Tensor, ...]:
+    """Gradients of ``fn(*inputs).sum()`` (after seeding) w.r.t. ``inputs``."""
+    torch.manual_seed(seed)
+    out = fn(*inputs)
+    return torch.autograd.grad(out.sum(), inputs, create_graph=create_graph)
+
+
+def assert_close_all(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+# -- example programs: (fn, make_inputs) -------------------------------------
+
+def _named(x: torch.Tensor) -> torch.Tensor:
+    import remat
+
+    return remat.checkpoint_name(x, "hidden")
+
+
+def mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    h = _named(torch.tanh(x @ w1))
+    return torch.sin(h @ w2) * x
+
+
+def attention_sdpa(x: torch.Tensor, wqkv: torch.Tensor) -> torch.Tensor:
+    q, k, v = (x @ wqkv).reshape(2, 5, 3, 4).unbind(2)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return _named(out).exp()
+
+
+def attention_bmm(x: torch.Tensor, wqkv: torch.Tensor) -> torch.Tensor:
+    q, k, v = (x @ wqkv).reshape(2, 5, 3, 4).unbind(2)
+    scores = torch.softmax(q @ k.transpose(-1, -2) / 2.0, dim=-1)
+    return _named(scores @ v).tanh()
+
+
+def layernorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    h = F.layer_norm(x, (x.shape[-1],), weight, bias)
+    return _named(F.gelu(h)) * h
+
+
+def conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = F.conv2d(x, w, padding=1)
+    return F.relu(_named(torch.sigmoid(h)) * h)
+
+
+def dropout(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = F.dropout(torch.tanh(x @ w), p=0.5, training=True)
+    return _named(h) * torch.cos(x @ w)
+
+
+def _randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+
+PROGRAMS: dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tuple[torch.Tensor, ...]]]] = {
+    "mlp": (mlp, lambda: (_randn(3, 4), _randn(4, 6), _randn(6, 4))),
+    "attention_sdpa": (attention_sdpa, lambda: (_randn(2, 5, 4), _randn(4, 12))),
+    "attention_bmm": (attention_bmm, lambda: (_randn(2, 5, 4), _randn(4, 12))),
+    "layernorm": (layernorm, lambda: (_randn(3, 6), _randn(6), _randn(6))),
+    "conv2d": (conv, lambda: (_randn(1, 2, 5, 5), _randn(3, 2, 3, 3))),
+    "dropout": (dropout, lambda: (_randn(3, 4), _randn(4, 4))),
+}

@@ -1,0 +1,416 @@
+"""The eager engine: gradients equal the no-remat reference, and the policy is obeyed."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import remat
+from tests.helpers import POLICIES, PROGRAMS, OpCounter, assert_close_all, grads
+
+SOME_POLICIES = ["nothing-saveable", "dots-saveable", "save:hidden", "save-last"]
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+@pytest.mark.parametrize("policy", POLICIES)
+def test_grads_match_reference(program: str, policy: str) -> None:
+    fn, make = PROGRAMS[program]
+    inputs = make()
+    expected = grads(fn, inputs)
+    actual = grads(remat.remat(fn, policy=policy), inputs)
+    assert_close_all(actual, expected)
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+@pytest.mark.parametrize("policy", SOME_POLICIES)
+def test_backward_accumulates_like_reference(program: str, policy: str) -> None:
+    fn, make = PROGRAMS[program]
+    inputs = make()
+    torch.manual_seed(0)
+    fn(*inputs).pow(2).sum().backward()
+    expected = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    torch.manual_seed(0)
+    remat.remat(fn, policy=policy)(*inputs).pow(2).sum().backward()
+    assert_close_all([t.grad for t in inputs], expected)
+
+
+@pytest.mark.parametrize("program", ["mlp", "attention_bmm", "layernorm", "dropout"])
+@pytest.mark.parametrize("policy", SOME_POLICIES)
+def test_double_backward_matches_reference(program: str, policy: str) -> None:
+    fn, make = PROGRAMS[program]
+    inputs = make()
+
+    def second_order(f):  # type: ignore[no-untyped-def]
+        first = grads(f, inputs, create_graph=True)
+        total = sum((g * g).sum() for g in first)
+        return torch.autograd.grad(total, inputs)
+
+    assert_close_all(second_order(remat.remat(fn, policy=policy)), second_order(fn))
+
+
+def _stack(policy: str, blocks: int = 3):  # type: ignore[no-untyped-def]
+    def block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        h = remat.checkpoint_name(torch.tanh(x @ w1), "hidden")
+        return torch.sin(h @ w2) + x
+
+    wrapped = remat.remat(block, policy=policy)
+
+    def run(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        for _ in range(blocks):
+            x = wrapped(x, w1, w2)
+        return x.sum()
+
+    return run
+
+
+def _backward_ops(policy: str, blocks: int = 3) -> dict[str, int]:
+    x = torch.randn(4, 8, requires_grad=True)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    loss = _stack(policy, blocks)(x, w1, w2)
+    with OpCounter() as counter:
+        loss.backward()
+    return dict(counter.counts)
+
+
+def test_reference_backward_ops() -> None:
+    # Without remat the backward runs no forward op: 4 matmuls per block (2 grads x 2 mms).
+    ops = _backward_ops("everything-saveable")
+    assert ops.get("mm") == 12 and "tanh" not in ops and "sin" not in ops
+
+
+def test_nothing_saveable_reruns_each_forward_op_once() -> None:
+    ops = _backward_ops("nothing-saveable")
+    # Each block's ops once; the recompute stops as soon as `sin` has saved its
+    # input, so `sin` itself and the residual add never run again.
+    assert ops["tanh"] == 3 and ops["mm"] == 12 + 2 * 3 and "sin" not in ops
+
+
+def test_dots_saveable_reruns_no_matmul() -> None:
+    ops = _backward_ops("dots-saveable")
+    assert ops["mm"] == 12 and ops["tanh"] == 3 and "sin" not in ops
+
+
+def test_name_policy_replays_the_named_op() -> None:
+    ops = _backward_ops("save:hidden")
+    assert "tanh" not in ops  # the named value is replayed, not recomputed
+    # The matmul feeding the named value still runs (no dead-code elimination yet).
+    assert ops["mm"] == 12 + 2 * 3
+
+
+def test_everything_except_name_recomputes_only_the_named_op() -> None:
+    ops = _backward_ops("everything-except:hidden")
+    assert ops["tanh"] == 3 and "sin" not in ops and ops["mm"] == 12
+
+
+def test_save_last_reruns_every_block_but_the_last() -> None:
+    ops = _backward_ops("save-last", blocks=4)
+    assert ops["tanh"] == 3 and ops["mm"] == 16 + 2 * 3
+
+
+def test_save_last_plus_dots_keeps_dots_of_demoted_blocks() -> None:
+    ops = _backward_ops("save-last+dots-saveable", blocks=4)
+    assert ops["tanh"] == 3 and ops["mm"] == 16
+
+
+def test_pytrees_kwargs_and_non_tensor_leaves() -> None:
+    @remat.remat(policy="dots-saveable")
+    def f(inputs, *, scale, tag):  # type: ignore[no-untyped-def]
+        x, (w, skip) = inputs["x"], inputs["pair"]
+        y = torch.tanh(x @ w) * scale
+        return {"y": y, "same": skip, "tag": tag, "none": None, "n": 3}
+
+    x, w = torch.randn(2, 3, requires_grad=True), torch.randn(3, 3, requires_grad=True)
+    skip = torch.arange(3)
+    out = f({"x": x, "pair": (w, skip)}, scale=2.0, tag="hello")
+    assert out["same"] is skip and out["tag"] == "hello" and out["none"] is None and out["n"] == 3
+    out["y"].sum().backward()
+    expected = torch.autograd.grad((torch.tanh(x @ w) * 2.0).sum(), (x, w))
+    assert_close_all([x.grad, w.grad], expected)
+
+
+def test_static_argnums_and_argnames_select_code_paths() -> None:
+    @remat.remat(static_argnums=(1,), static_argnames=("mode",))
+    def f(x, power, mode="sin"):  # type: ignore[no-untyped-def]
+        y = x**power
+        return torch.sin(y) if mode == "sin" else torch.cos(y)
+
+    x = torch.randn(3, requires_grad=True)
+    (g,) = torch.autograd.grad(f(x, 3, mode="cos").sum(), x)
+    (expected,) = torch.autograd.grad(torch.cos(x**3).sum(), x)
+    torch.testing.assert_close(g, expected)
+
+
+def test_bad_static_args_raise_at_decoration() -> None:
+    def f(x, y):  # type: ignore[no-untyped-def]
+        return x
+
+    with pytest.raises(ValueError, match=r"static_argnums contains 5, but .*f .*takes 2"):
+        remat.remat(f, static_argnums=5)
+    with pytest.raises(ValueError, match=r"static_argnames contains 'z'"):
+        remat.remat(f, static_argnames="z")
+    with pytest.raises(TypeError, match="static_argnums must contain only ints"):
+        remat.remat(f, static_argnums=("a",))
+    with pytest.raises(TypeError, match="expected a callable"):
+        remat.remat(3)  # type: ignore[call-overload]
+
+
+def test_methods_modules_and_decorator_forms() -> None:
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        @remat.checkpoint(policy="dots-saveable")
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.lin(x))
+
+    block = Block()
+    x = torch.randn(2, 4, requires_grad=True)
+    block(x).sum().backward()
+    got = [x.grad, block.lin.weight.grad]
+    x2 = x.detach().requires_grad_()
+    ref = torch.autograd.grad(torch.tanh(block.lin(x2)).sum(), (x2, block.lin.weight))
+    assert_close_all(got, ref)
+    wrapped_module = remat.remat(block.lin)
+    assert wrapped_module(x).shape == (2, 4)
+    assert remat.remat()(torch.sin)(torch.ones(1)).item() == pytest.approx(0.841470, abs=1e-5)
+
+
+def test_outputs_may_be_inputs_and_integer_tensors() -> None:
+    @remat.remat
+    def f(x, idx):  # type: ignore[no-untyped-def]
+        return x, idx, torch.sin(x)[idx]
+
+    x, idx = torch.randn(4, requires_grad=True), torch.tensor([0, 2])
+    same, same_idx, picked = f(x, idx)
+    assert same is x and same_idx is idx
+    (g,) = torch.autograd.grad(picked.sum() + same.sum(), x)
+    expected = torch.ones(4)
+    expected[idx] += torch.cos(x.detach())[idx]
+    torch.testing.assert_close(g, expected)
+
+
+def test_dropout_masks_are_replayed() -> None:
+    x = torch.randn(64, requires_grad=True)
+
+    def f(x):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.dropout(x.sin(), p=0.5) * x.cos()
+
+    torch.manual_seed(3)
+    (expected,) = torch.autograd.grad(f(x).sum(), x)
+    torch.manual_seed(3)
+    (got,) = torch.autograd.grad(remat.remat(f)(x).sum(), x)
+    torch.testing.assert_close(got, expected)
+
+
+def test_nested_regions_outer_policy_wins() -> None:
+    inner = remat.remat(lambda x: torch.sin(torch.sin(x)), policy="nothing-saveable")
+
+    @remat.remat(policy="everything-saveable")
+    def outer(x):  # type: ignore[no-untyped-def]
+        return inner(x).exp()
+
+    x = torch.randn(5, requires_grad=True)
+    out = outer(x).sum()
+    with OpCounter() as counter:
+        (g,) = torch.autograd.grad(out, x)
+    assert "sin" not in counter.counts  # everything kept by the outer region
+    (expected,) = torch.autograd.grad(torch.sin(torch.sin(x)).exp().sum(), x)
+    torch.testing.assert_close(g, expected)
+
+
+@pytest.mark.parametrize(
+    "inner_policy", ["nothing-saveable", "dots-saveable", "everything-saveable"]
+)
+@pytest.mark.parametrize("outer_policy", ["nothing-saveable", "dots-saveable", "save-last"])
+def test_nested_regions_match_reference(inner_policy: str, outer_policy: str) -> None:
+    def block(x, w):  # type: ignore[no-untyped-def]
+        return torch.tanh(x @ w) * x
+
+    inner = remat.remat(block, policy=inner_policy)
+
+    def body(x, w):  # type: ignore[no-untyped-def]
+        return inner(inner(x, w), w).sin()
+
+    x, w = torch.randn(3, 4, dtype=torch.float64, requires_grad=True), torch.randn(
+        4, 4, dtype=torch.float64, requires_grad=True
+    )
+    expected = grads(body, (x, w))
+    outer = remat.remat(body, policy=outer_policy)
+    assert_close_all(grads(outer, (x, w)), expected)
+    assert_close_all(grads(lambda x, w: outer(outer(x, w), w), (x, w)),
+                     grads(lambda x, w: body(body(x, w), w), (x, w)))
+
+
+def test_nested_inner_region_recomputes_inside_outer_recompute() -> None:
+    calls = []
+
+    def inner_fn(x):  # type: ignore[no-untyped-def]
+        calls.append(remat.is_recomputing())
+        return torch.sin(x).sin()
+
+    inner = remat.remat(inner_fn)
+    outer = remat.remat(lambda x: inner(x).cos())
+    x = torch.randn(3, requires_grad=True)
+    (g,) = torch.autograd.grad(outer(x).sum(), x)
+    # forward (plain, inside outer), outer recompute, inner's own recompute
+    assert calls == [False, True, True]
+    (expected,) = torch.autograd.grad(torch.sin(x).sin().cos().sum(), x)
+    torch.testing.assert_close(g, expected)
+
+
+def test_is_recomputing_guards_side_effects() -> None:
+    seen = []
+
+    @remat.remat
+    def f(x):  # type: ignore[no-untyped-def]
+        seen.append(remat.is_recomputing())
+        return x.sin().sin()
+
+    f(torch.ones(2, requires_grad=True)).sum().backward()
+    assert seen == [False, True] and not remat.is_recomputing()
+
+
+def test_no_grad_runs_plainly_once() -> None:
+    calls = []
+
+    @remat.remat
+    def f(x):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return x.sin()
+
+    with torch.no_grad():
+        out = f(torch.ones(2, requires_grad=True))
+    assert out.grad_fn is None and calls == [1]
+
+
+def test_second_backward_without_retain_graph_fails_clearly() -> None:
+    x = torch.randn(3, requires_grad=True)
+    out = remat.remat(lambda x: x.sin().sin())(x).sum()
+    out.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.backward()
+
+
+def test_second_backward_with_retain_graph_works() -> None:
+    x = torch.randn(3, requires_grad=True)
+    out = remat.remat(lambda x: x.sin().sin())(x).sum()
+    out.backward(retain_graph=True)
+    first = x.grad.clone()
+    out.backward()
+    torch.testing.assert_close(x.grad, 2 * first)
+
+
+def test_nondeterministic_shapes_raise_naming_the_region() -> None:
+    calls = []
+
+    def flaky(x):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        n = 3 if len(calls) == 1 else 2
+        return x[:n].sin().sin()
+
+    x = torch.randn(4, requires_grad=True)
+    out = remat.remat(flaky)(x).sum()
+    pattern = r"recompute of .*flaky .*test_eager.py:\d+\) differs"
+    with pytest.raises(remat.RematError, match=pattern):
+        out.backward()
+
+
+def test_nondeterministic_ops_raise_naming_the_first_differing_op() -> None:
+    calls = []
+
+    def flaky(x):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        y = x.sin() if len(calls) == 1 else x.cos()
+        return (y @ x).tanh().sum()
+
+    x = torch.randn(3, 3, requires_grad=True)
+    out = remat.remat(flaky, policy="dots-saveable")(x)
+    with pytest.raises(remat.NondeterministicRecomputeError) as info:
+        out.backward()
+    message = str(info.value)
+    assert "the forward ran aten.sin.default, the recompute ran aten.cos.default" in message
+    assert "-> " in message  # the side-by-side log marks the first difference
+
+
+def test_debug_mode_prints_op_logs_for_opless_policies() -> None:
+    calls = []
+
+    def flaky(x):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return (x.sin() if len(calls) == 1 else x.cos()).sin()
+
+    x = torch.randn(3, requires_grad=True)
+    out = remat.remat(flaky, debug=True)(x).sum()
+    with pytest.raises(remat.RematError, match=r"aten\.sin\.default.*aten\.cos\.default"):
+        out.backward()
+
+
+def test_input_mutated_between_forward_and_backward_raises() -> None:
+    x = torch.randn(3, requires_grad=True)
+    y = x * 1.0
+    out = remat.remat(lambda y: y.sin().sin())(y).sum()
+    with torch.no_grad():
+        y.add_(1.0)
+    with pytest.raises(remat.SavedInputMutatedError, match="was modified in place after"):
+        out.backward()
+
+
+def test_exception_inside_fn_leaves_no_state_behind() -> None:
+    from remat._state import local
+
+    def broken(x):  # type: ignore[no-untyped-def]
+        x.sin()
+        raise KeyError("boom")
+
+    for policy in ("nothing-saveable", "dots-saveable", "save-last"):
+        with pytest.raises(KeyError):
+            remat.remat(broken, policy=policy)(torch.ones(2, requires_grad=True))
+        assert local.frames == [] and local.recorders == []
+        assert torch._C._len_torch_dispatch_stack() == 0
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    x = torch.ones(2, requires_grad=True)
+    remat.remat(lambda x: x.sin().sin())(x).sum().backward()
+    assert x.grad is not None
+
+
+def test_region_state_is_freed_after_backward() -> None:
+    class Block(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sin().sin()
+
+    block = Block()
+    ref = weakref.ref(block)
+    x = torch.ones(3, requires_grad=True)
+    remat.remat(block, policy="dots-saveable")(x).sum().backward()
+    del block
+    gc.collect()
+    assert ref() is None
+
+
+def test_policy_errors_surface_at_decoration() -> None:
+    with pytest.raises(ValueError, match="did you mean 'dots-saveable'"):
+        remat.remat(torch.sin, policy="dots-savable")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        remat.remat(torch.sin, engine="jit")  # type: ignore[arg-type]
+
+
+def test_autocast_state_is_replayed() -> None:
+    x = torch.randn(4, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def f(x, w):  # type: ignore[no-untyped-def]
+        return (x @ w).float().sin()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = remat.remat(f)(x, w).sum()
+    got = torch.autograd.grad(out, (x, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = f(x, w).sum()
+    expected = torch.autograd.grad(out, (x, w))
+    assert_close_all(got, expected)
