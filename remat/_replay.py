@@ -16,6 +16,16 @@ NOTE [ Record and replay ]
 4. Random ops are never kept: skipping one in the recompute would shift the
    random stream for every later op. In-place ops are never kept either: their
    output is their input.
+5. Dead ops are not run. Each record knows which earlier records produced its
+   inputs. Before a recompute, `OpLog.liveness` walks back from the records
+   whose outputs backward needs: an op is live when a live op reads it, and a
+   replayed op needs none of its inputs. A dead op returns an uninitialized
+   tensor of the right shape and strides instead of running (nothing live
+   reads it). Ops that must run whatever reads them are always live: random
+   ops (the random stream), in-place and ``out=`` ops (they write through
+   views the data flow does not follow) and ops whose result Python may read
+   (``item()``, ``nonzero`` and every op tagged data-dependent). View ops always
+   run: they cost nothing and need no live input.
 """
 
 from __future__ import annotations
@@ -78,12 +88,20 @@ class OpRecord:
     op: Any
     verdict: Hashable
     decision: Decision
+    #: Position in the log.
+    index: int = -1
     #: Kept outputs by position (detached aliases), None where not kept.
     kept: list[torch.Tensor | None] | None = None
     #: Version of each kept output when it was kept (a mismatch means it was mutated).
     versions: list[int] | None = None
     #: Decisions that `checkpoint_name` set for single outputs, by position.
     named: dict[int, tuple[str, Decision]] | None = None
+    #: Indices of the records that produced this op's tensor inputs (NOTE rule 5).
+    inputs: tuple[int, ...] = ()
+    #: (shape, stride, dtype, device) of each output, to stand in for a dead op.
+    metas: tuple[tuple[Any, ...], ...] = ()
+    #: Runs in the recompute whatever reads it (NOTE rule 5).
+    always_live: bool = False
 
     def decision_at(self, position: int) -> Decision:
         if self.named is not None and position in self.named:
@@ -101,6 +119,10 @@ class OpRecord:
     def release(self) -> None:
         self.kept = None
         self.versions = None
+
+    def fully_replayable(self) -> bool:
+        kept = self.replayable()
+        return kept is not None and all(t is not None for t in kept)
 
     def replayable(self) -> list[torch.Tensor | None] | None:
         """The kept outputs if none was mutated since, else None."""
@@ -124,18 +146,45 @@ class OpLog:
     def record(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         index = len(self.records)
         outputs = _flat_tensors(out)
-        if _ops.is_random(op) or _ops.is_inplace_or_out(op):
+        effectful = _ops.is_random(op) or _ops.is_inplace_or_out(op)
+        if effectful:
             verdict: Hashable = None
             decision = Decision.RECOMPUTE
         else:
             verdict = self.policy.decide_op(op, args, kwargs)
             decision = self.policy.decide(verdict, None)
-        rec = OpRecord(op, verdict, decision)
+        rec = OpRecord(op, verdict, decision, index)
+        rec.inputs = self._producers(args, kwargs)
+        rec.metas = tuple((t.shape, t.stride(), t.dtype, t.device) for t in outputs)
+        rec.always_live = effectful or _reads_data(op, out)
         self.records.append(rec)
         for position, tensor in enumerate(outputs):
             setattr(tensor, TAG, (self.serial, index, position))
             if decision is not Decision.RECOMPUTE:
                 rec.keep(position, tensor, len(outputs))
+
+    def _producers(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+        found = []
+        for arg in itertools.chain(args, kwargs.values()):
+            items = arg if isinstance(arg, (list, tuple)) else (arg,)
+            for item in items:
+                tag = getattr(item, TAG, None) if isinstance(item, torch.Tensor) else None
+                if tag is not None and tag[0] == self.serial:
+                    found.append(tag[1])
+        return tuple(found)
+
+    def liveness(self, needed: list[int]) -> list[bool]:
+        """Which records a recompute must run to produce the records in ``needed``."""
+        live = [rec.always_live for rec in self.records]
+        for index in needed:
+            live[index] = True
+        for index in range(len(self.records) - 1, -1, -1):
+            rec = self.records[index]
+            if not live[index] or rec.fully_replayable():
+                continue  # a replayed op needs none of its inputs
+            for producer in rec.inputs:
+                live[producer] = True
+        return live
 
     def lookup(self, tensor: torch.Tensor) -> tuple[OpRecord, int] | None:
         """The record and output position that produced ``tensor`` in this log, if any."""
@@ -166,6 +215,28 @@ class OpLog:
 
     def op_names(self) -> list[str]:
         return [str(rec.op) for rec in self.records]
+
+
+_DATA_READERS = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in ("_local_scalar_dense", "item", "nonzero", "equal", "is_nonzero", "allclose")
+    if hasattr(torch.ops.aten, name)
+)
+_DATA_TAGS = tuple(
+    getattr(torch.Tag, name)
+    for name in ("data_dependent_output", "dynamic_output_shape")
+    if hasattr(torch.Tag, name)
+)
+
+
+def _reads_data(op: Any, out: Any) -> bool:
+    """Whether Python may read this op's result (so it must be computed for real)."""
+    if not isinstance(out, (torch.Tensor, tuple, list)):
+        return True  # a Python scalar or bool
+    if getattr(op, "overloadpacket", None) in _DATA_READERS:
+        return True
+    tags = getattr(op, "tags", ())
+    return any(tag in tags for tag in _DATA_TAGS)
 
 
 def _flat_tensors(out: Any) -> list[torch.Tensor]:
@@ -213,10 +284,11 @@ class RecordMode(TorchDispatchMode):
 class ReplayMode(TorchDispatchMode):
     """Recompute a region, returning kept outputs instead of running their ops."""
 
-    def __init__(self, log: OpLog, check: bool = True) -> None:
+    def __init__(self, log: OpLog, check: bool = True, live: list[bool] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.log = log
         self.check = check
+        self.live = live
         self.index = 0
         self.ran: list[Any] = []
 
@@ -236,10 +308,15 @@ class ReplayMode(TorchDispatchMode):
         kept = rec.replayable() if rec is not None else None
         if kept is not None and all(t is not None for t in kept):
             return _rebuild(func, [detached_alias(t) for t in kept if t is not None])
+        if self._dead(index) and rec is not None and not _ops.is_view(func):
+            return _rebuild(func, [_stand_in(meta) for meta in rec.metas])
         out = func(*args, **kwargs)
         if kept is not None:
             out = _substitute(out, kept)
         return out
+
+    def _dead(self, index: int) -> bool:
+        return self.live is not None and not self.live[index]
 
     def mismatch(self, index: int, func: Any) -> NondeterministicRecomputeError:
         forward = self.log.op_names()
@@ -252,6 +329,12 @@ class ReplayMode(TorchDispatchMode):
             "for this region. Pass debug=True to remat.remat to see both op logs.\n"
             + side_by_side(forward, [str(f) for f in self.ran])
         )
+
+
+def _stand_in(meta: tuple[Any, ...]) -> torch.Tensor:
+    # An uninitialized tensor shaped like a dead op's output: nothing live reads it.
+    shape, stride, dtype, device = meta
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
 def _rebuild(func: Any, tensors: list[torch.Tensor]) -> Any:

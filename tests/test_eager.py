@@ -98,8 +98,23 @@ def test_dots_saveable_reruns_no_matmul() -> None:
 def test_name_policy_replays_the_named_op() -> None:
     ops = _backward_ops("save:hidden")
     assert "tanh" not in ops  # the named value is replayed, not recomputed
-    # The matmul feeding the named value still runs (no dead-code elimination yet).
-    assert ops["mm"] == 12 + 2 * 3
+    # ...and the matmul that only fed it is dead: just `h @ w2` runs again.
+    assert ops["mm"] == 12 + 3 and ops["empty_strided"] == 3
+
+
+def test_dead_ops_that_python_reads_or_that_write_through_views_still_run() -> None:
+    def f(x, w):  # type: ignore[no-untyped-def]
+        h = x @ w
+        scale = h.abs().max().item()  # Python reads data: must be real in the recompute
+        g = (x @ w) * 2.0
+        g[0].mul_(scale)  # writes into g through a view
+        return remat.checkpoint_name(torch.sin(g), "s") * g
+
+    x, w = torch.randn(3, 3, requires_grad=True), torch.randn(3, 3, requires_grad=True)
+    expected = torch.autograd.grad(f(x, w).sum(), (x, w))
+    for policy in ("save:s", "dots-saveable", "save-last+save:s"):
+        got = torch.autograd.grad(remat.remat(f, policy=policy)(x, w).sum(), (x, w))
+        assert_close_all(got, expected)
 
 
 def test_everything_except_name_recomputes_only_the_named_op() -> None:

@@ -22,6 +22,19 @@ NOTE [ The eager engine ]
    produced, marked demotable; when the next such region starts its forward,
    the previous one is demoted: demotable holders are emptied and recompute
    armed.
+6. Offload (NOTE [ Offload: streams, events, prefetch ] in ``_offload.py``): an
+   ``OFFLOAD`` value goes to the frame's host store once, as an `Offloaded`
+   entry keyed by the op output it is (record, position). A saved tensor is put
+   in `pack`, right after its op; a kept op output that autograd does not save
+   (the recompute replays it) is put at the end of the forward. The holder keeps
+   the entry; the record keeps a ``meta`` placeholder (so liveness still sees a
+   replayable op) and drops the device tensor. The recompute fetches values back
+   into the records before replaying (newest first, the order prefetch expects)
+   and drops them after. Kept on the device instead: what the store does not
+   accept (CPU tensors under the CUDA store, small or strided tensors), region
+   inputs, parameters and their views, region outputs (alive anyway), values
+   mutated after they were kept, and everything produced during another
+   region's recompute (needed again at once).
 """
 
 from __future__ import annotations
@@ -36,9 +49,10 @@ import torch
 
 from .._autocast import AutocastState
 from .._errors import NondeterministicRecomputeError, RematError, SavedInputMutatedError
+from .._offload import HostStore, Offloaded, current_store, offload
 from .._pytree import tensor_leaves, tree_map
 from .._region import Region
-from .._replay import OpLog, OpRecord, RecordMode, ReplayMode, side_by_side
+from .._replay import TAG, OpLog, OpRecord, RecordMode, ReplayMode, side_by_side
 from .._rng import RngState
 from .._state import local, recomputing
 from ..policies import Decision
@@ -58,8 +72,9 @@ class _Holder:
     def __init__(self, frame: _Frame, index: int) -> None:
         self.frame = frame
         self.index = index
-        #: The saved tensor, an inner region's holder (rule 4), or None when dropped.
-        self.tensor: torch.Tensor | _Holder | None = None
+        #: The saved tensor, an inner region's holder (rule 4), an offloaded
+        #: entry (rule 6), or None when dropped.
+        self.tensor: torch.Tensor | _Holder | Offloaded | None = None
         #: The record and output position of the op that produced the tensor.
         self.source: tuple[OpRecord, int] | None = None
         #: Ops recorded before this tensor was saved (the recompute must run that far).
@@ -92,6 +107,9 @@ class _Frame:
         self.recompute_counter: Any = None
         self.needed: dict[int, _Holder] = {}
         self.stop_at = -1
+        self.store: HostStore = current_store(region.offload_store)
+        #: Offloaded op outputs by (id(record), position): (record, op index, entry).
+        self.offloaded: dict[tuple[int, int], tuple[OpRecord, int, Offloaded]] = {}
 
     # -- forward -------------------------------------------------------------
 
@@ -107,7 +125,7 @@ class _Frame:
         self.versions = [t._version for t in self.inputs]
         self.mutated_in_forward = self.versions != start_versions
         self.phase = "done"
-        self.finish_forward()
+        self.finish_forward(out)
         return out
 
     def pack(self, t: torch.Tensor) -> _Holder:
@@ -116,7 +134,10 @@ class _Frame:
         self.metas.append((t.shape, t.dtype, t.device))
         if self.log is not None:
             holder.clock = len(self.log.records)
-        if self.decide(t, holder) is not Decision.RECOMPUTE:
+        decision = self.decide(t, holder)
+        if decision is Decision.OFFLOAD:
+            holder.tensor = self.offload_saved(t, holder)
+        elif decision is not Decision.RECOMPUTE:
             holder.tensor = t.detach()
         if self.parent is not None:
             self.parent.collect(holder, t)
@@ -134,32 +155,116 @@ class _Frame:
         else:
             assert self.decision is not None, "this is a bug in remat, please report it"
             decision = self.decision
-        if decision is Decision.OFFLOAD:
-            decision = Decision.SAVE  # the host store of real offload plugs in here
+        if decision is Decision.OFFLOAD and not self.can_offload(t):
+            decision = Decision.SAVE
         if self.keep_all and decision is Decision.RECOMPUTE:
             holder.demotable = True
             return Decision.SAVE
         return decision
 
-    def finish_forward(self) -> None:
+    def finish_forward(self, out: Any = None) -> None:
         """Fill holders named after they were saved; release kept ops nothing reads."""
         if self.log is None:
             return
+        self.offload_kept(out)
         for holder in self._alive():
             if holder.tensor is None and holder.source is not None:
                 record, position = holder.source
-                if record.kept is not None and record.kept[position] is not None:
+                if (id(record), position) in self.offloaded:
+                    holder.tensor = self.offloaded[id(record), position][2]
+                elif record.kept is not None and record.kept[position] is not None:
                     holder.tensor = record.kept[position]
         if not self.keep_all:
             self.release_unread()
+            self.prune_offloaded()
+
+    # -- offload (NOTE rule 6) -------------------------------------------------
+
+    def can_offload(self, t: torch.Tensor) -> bool:
+        if self.parent is not None or self.log is None or not self.store.accepts(t):
+            return False
+        base = t._base
+        # A view of a parameter or an input frees nothing when copied away.
+        return base is None or not (
+            id(base) in self.input_ids or (base.is_leaf and base.requires_grad)
+        )
+
+    def offload_saved(self, t: torch.Tensor, holder: _Holder) -> Offloaded | torch.Tensor:
+        """Pack: put ``t`` (once per op output) and drop the record's device copy."""
+        assert holder.source is not None, "this is a bug in remat, please report it"
+        record, position = holder.source
+        entry = self._offload_output(record, getattr(t, TAG)[1], position, t)
+        return entry if entry is not None else t.detach()
+
+    def _offload_output(
+        self, record: OpRecord, index: int, position: int, t: torch.Tensor
+    ) -> Offloaded | None:
+        key = (id(record), position)
+        if key in self.offloaded:
+            return self.offloaded[key][2]  # the same value saved twice: one copy
+        entry = offload(t.detach(), self.store)
+        if entry is None:
+            return None
+        self.offloaded[key] = (record, index, entry)
+        if record.kept is not None and record.versions is not None:
+            if record.versions[position] == t._version:
+                record.kept[position] = _placeholder(t)
+                record.versions[position] = 0
+            else:
+                record.kept[position] = None  # mutated since kept: the op runs again
+        return entry
+
+    def offload_kept(self, out: Any) -> None:
+        """End of forward: put kept ``OFFLOAD`` outputs that no holder took yet."""
+        assert self.log is not None, "this is a bug in remat, please report it"
+        outputs = {getattr(t, TAG, None) for t in tensor_leaves(out)}
+        for index, record in enumerate(self.log.records):
+            if record.kept is None or record.versions is None:
+                continue
+            for position, t in enumerate(record.kept):
+                if (
+                    t is not None
+                    and (id(record), position) not in self.offloaded
+                    and record.decision_at(position) is Decision.OFFLOAD
+                    and (self.log.serial, index, position) not in outputs
+                    and t._version == record.versions[position]
+                    and self.can_offload(t)
+                ):
+                    self._offload_output(record, index, position, t)
+
+    def restore_offloaded(self, clock: int) -> list[tuple[OpRecord, int]]:
+        """Recompute: fetch offloaded outputs of ops before ``clock`` back into the records."""
+        restored = []
+        entries = sorted(self.offloaded.items(), key=lambda item: -item[1][2].seq)
+        for (_, position), (record, index, entry) in entries:
+            if index < clock and record.kept is not None and record.versions is not None:
+                value = entry.get()
+                record.kept[position] = value
+                record.versions[position] = value._version
+                restored.append((record, position))
+        return restored
+
+    def prune_offloaded(self) -> None:
+        """Forget entries of released records (holders keep theirs alive)."""
+        for key, (record, _, _) in list(self.offloaded.items()):
+            if record.kept is None:
+                del self.offloaded[key]
 
     def release_unread(self) -> None:
-        # The recompute stops at the last empty holder: kept outputs of later ops
-        # are never replayed, and holders reference what backward itself reads.
+        # A kept output that no live op of the recompute reads is never replayed
+        # (holders reference what backward itself reads): let it go.
         assert self.log is not None, "this is a bug in remat, please report it"
+        live = self.liveness()
+        for record, is_live in zip(self.log.records, live, strict=True):
+            if not is_live:
+                record.release()
+
+    def liveness(self) -> list[bool]:
+        assert self.log is not None, "this is a bug in remat, please report it"
+        needed = [h.source[0].index for h in self._alive() if h.tensor is None and h.source]
+        live = self.log.liveness(needed)
         clock = max((h.clock for h in self._alive() if h.tensor is None), default=0)
-        for record in self.log.records[clock:]:
-            record.release()
+        return [is_live and i < clock for i, is_live in enumerate(live)]
 
     def demote(self) -> None:
         """Stop being the last `save_last` region: drop what only that status kept."""
@@ -170,6 +275,7 @@ class _Frame:
                 holder.demotable = False
         if self.log is not None:
             self.release_unread()
+            self.prune_offloaded()
 
     # -- backward ------------------------------------------------------------
 
@@ -179,6 +285,8 @@ class _Frame:
         value = holder.tensor
         if isinstance(value, _Holder):
             return value.frame.unpack(value)
+        if isinstance(value, Offloaded):
+            return value.get()
         if value is None:
             raise RematError(
                 f"remat: the recompute of {self.region.label} did not produce saved tensor "
@@ -193,7 +301,10 @@ class _Frame:
         self.check_inputs()
         self.stop_at = max(self.needed)
         self.recompute_counter = itertools.count()
-        replay = ReplayMode(self.log, self.region.determinism_check) if self.log else None
+        restored = self.restore_offloaded(max(h.clock for h in self.needed.values()))
+        replay = None
+        if self.log is not None:
+            replay = ReplayMode(self.log, self.region.determinism_check, self.liveness())
         try:
             with self._recompute_context(replay):
                 self.region.fn(*_detached(self.args), **_detached(self.kwargs))
@@ -201,6 +312,10 @@ class _Frame:
             pass
         finally:
             self.phase = "done"
+            for record, position in restored:
+                if record.kept is not None:
+                    record.kept[position] = None  # the collected holders keep what they need
+            self.offloaded.clear()
         missing = [i for i, h in self.needed.items() if h.tensor is None]
         if missing:
             raise NondeterministicRecomputeError(
@@ -277,6 +392,11 @@ class _Frame:
 
     def _alive(self) -> list[_Holder]:
         return [h for h in (ref() for ref in self.holders) if h is not None]
+
+
+def _placeholder(t: torch.Tensor) -> torch.Tensor:
+    # Stands in a record for an offloaded output until the recompute fetches it.
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
 def _unreachable(_: object) -> torch.Tensor:

@@ -1,0 +1,145 @@
+"""Property tests: random small programs x random policies, remat vs no remat."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import remat
+
+
+def assert_close_all(actual: tuple[torch.Tensor | None, ...],
+                     expected: tuple[torch.Tensor | None, ...]) -> None:
+    for a, e in zip(actual, expected, strict=True):
+        if e is None:
+            assert a is None or not torch.any(a)  # an unused input
+        else:
+            assert a is not None
+            torch.testing.assert_close(a, e)
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: Shape-preserving steps on a (4, 4) activation `h` with a (4, 4) weight `w`.
+STEPS: dict[str, Step] = {
+    "matmul": lambda h, w: h @ w,
+    "bmm": lambda h, w: torch.bmm(h.unsqueeze(0), w.unsqueeze(0)).squeeze(0),
+    "tanh": lambda h, w: torch.tanh(h),
+    "sin": lambda h, w: torch.sin(h),
+    "mul": lambda h, w: h * w,
+    "residual": lambda h, w: h + torch.sigmoid(h @ w),
+    "softmax": lambda h, w: torch.softmax(h, dim=-1),
+    "layernorm": lambda h, w: F.layer_norm(h, (4,)),
+    "dropout": lambda h, w: F.dropout(h, p=0.3, training=True),
+    "transpose": lambda h, w: h.t().contiguous(),
+    "name_a": lambda h, w: remat.checkpoint_name(h * 1.5, "a"),
+    "name_b": lambda h, w: remat.checkpoint_name(torch.cos(h), "b"),
+    "relu_inplace": lambda h, w: F.relu(h * 1.0, inplace=True),
+}
+
+POLICY_STRINGS = [
+    "nothing-saveable",
+    "everything-saveable",
+    "dots-saveable",
+    "dots-no-batch-saveable",
+    "save:a",
+    "save:a,b",
+    "save-except:a",
+    "everything-except:b",
+    "save-last",
+    "save-last+dots-saveable",
+    "offload-dots",
+    "offload:a+dots-saveable",
+]
+
+
+def _program(steps: list[str]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def run(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        for step in steps:
+            h = STEPS[step](h, w)
+        return h
+
+    return run
+
+
+programs = st.lists(st.sampled_from(sorted(STEPS)), min_size=1, max_size=7)
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    steps=programs,
+    policy=st.sampled_from(POLICY_STRINGS),
+    blocks=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_random_programs_match_reference(
+    steps: list[str], policy: str, blocks: int, seed: int
+) -> None:
+    body = _program(steps)
+    block = remat.remat(body, policy=policy)
+    torch.manual_seed(seed)
+    x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def stack(f: Callable[..., torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+        torch.manual_seed(seed)
+        h = x
+        for _ in range(blocks):
+            h = f(h, w)
+        return torch.autograd.grad((h * h).sum(), (x, w), allow_unused=True)
+
+    assert_close_all(stack(block), stack(body))
+
+
+@settings(deadline=None, max_examples=25)
+@given(
+    outer=st.lists(st.sampled_from(sorted(STEPS)), min_size=1, max_size=3),
+    inner=programs,
+    outer_policy=st.sampled_from(POLICY_STRINGS),
+    inner_policy=st.sampled_from(POLICY_STRINGS),
+)
+def test_random_nested_programs_match_reference(
+    outer: list[str], inner: list[str], outer_policy: str, inner_policy: str
+) -> None:
+    inner_fn = _program(inner)
+    outer_fn = _program(outer)
+    wrapped_inner = remat.remat(inner_fn, policy=inner_policy)
+
+    def plain(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return outer_fn(inner_fn(outer_fn(h, w), w), w)
+
+    def nested(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return outer_fn(wrapped_inner(outer_fn(h, w), w), w)
+
+    x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def grads_of(f: Callable[..., torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+        torch.manual_seed(0)
+        return torch.autograd.grad(f(x, w).sum(), (x, w), allow_unused=True)
+
+    assert_close_all(grads_of(remat.remat(nested, policy=outer_policy)), grads_of(plain))
+
+
+@settings(deadline=None, max_examples=20)
+@given(steps=programs, policy=st.sampled_from(POLICY_STRINGS))
+def test_random_programs_double_backward(steps: list[str], policy: str) -> None:
+    steps = [s for s in steps if s != "relu_inplace"] or ["tanh"]
+    body = _program(steps)
+    x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def second(f: Callable[..., torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+        torch.manual_seed(0)
+        gx, gw = torch.autograd.grad(
+            f(x, w).sum(), (x, w), create_graph=True, allow_unused=True, materialize_grads=True
+        )
+        total = (gx * gx).sum() + (gw * gw).sum()
+        if not total.requires_grad:
+            return (None, None)
+        return torch.autograd.grad(total, (x, w), allow_unused=True)
+
+    assert_close_all(second(remat.remat(body, policy=policy)), second(body))
