@@ -25,8 +25,11 @@ NOTE [ The eager engine ]
 6. Offload (NOTE [ Offload: streams, events, prefetch ] in ``_offload.py``): an
    ``OFFLOAD`` value goes to the frame's host store once, as an `Offloaded`
    entry keyed by the op output it is (record, position). A saved tensor is put
-   in `pack`, right after its op; a kept op output that autograd does not save
-   (the recompute replays it) is put at the end of the forward. The holder keeps
+   in `pack`, right after its op (autograd forbids writing to it afterwards);
+   a kept op output that autograd does not save (the recompute replays it) is
+   put at the end of the forward, after checking that nothing wrote to it (a
+   copy started earlier would race with the write). Entries are ordered by
+   (frame serial, op index), so prefetch follows op order either way. The holder keeps
    the entry; the record keeps a ``meta`` placeholder (so liveness still sees a
    replayable op) and drops the device tensor. The recompute fetches values back
    into the records before replaying (newest first, the order prefetch expects)
@@ -49,7 +52,8 @@ import torch
 
 from .._autocast import AutocastState
 from .._errors import NondeterministicRecomputeError, RematError, SavedInputMutatedError
-from .._offload import HostStore, Offloaded, current_store, offload
+from .._module_state import frozen_state_of
+from .._offload import HostStore, Offloaded, current_store, next_serial, offload
 from .._pytree import tensor_leaves, tree_map
 from .._region import Region
 from .._replay import TAG, OpLog, OpRecord, RecordMode, ReplayMode, side_by_side
@@ -108,6 +112,7 @@ class _Frame:
         self.needed: dict[int, _Holder] = {}
         self.stop_at = -1
         self.store: HostStore = current_store(region.offload_store)
+        self.serial = next_serial()  # orders this frame's offloads after earlier frames'
         #: Offloaded op outputs by (id(record), position): (record, op index, entry).
         self.offloaded: dict[tuple[int, int], tuple[OpRecord, int, Offloaded]] = {}
 
@@ -202,7 +207,7 @@ class _Frame:
         key = (id(record), position)
         if key in self.offloaded:
             return self.offloaded[key][2]  # the same value saved twice: one copy
-        entry = offload(t.detach(), self.store)
+        entry = offload(t.detach(), self.store, (self.serial, index))
         if entry is None:
             return None
         self.offloaded[key] = (record, index, entry)
@@ -235,7 +240,7 @@ class _Frame:
     def restore_offloaded(self, clock: int) -> list[tuple[OpRecord, int]]:
         """Recompute: fetch offloaded outputs of ops before ``clock`` back into the records."""
         restored = []
-        entries = sorted(self.offloaded.items(), key=lambda item: -item[1][2].seq)
+        entries = sorted(self.offloaded.items(), key=lambda item: item[1][2].seq, reverse=True)
         for (_, position), (record, index, entry) in entries:
             if index < clock and record.kept is not None and record.versions is not None:
                 value = entry.get()
@@ -317,6 +322,9 @@ class _Frame:
                     record.kept[position] = None  # the collected holders keep what they need
             self.offloaded.clear()
         missing = [i for i, h in self.needed.items() if h.tensor is None]
+        # Holders point back at the frame: keeping them would be a cycle that
+        # holds every recomputed tensor until the garbage collector runs.
+        self.needed = {}
         if missing:
             raise NondeterministicRecomputeError(
                 f"remat: the recompute of {self.region.label} saved fewer tensors than its "
@@ -338,6 +346,7 @@ class _Frame:
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.collect, _unreachable))
         if replay is not None:
             stack.enter_context(replay)
+        stack.enter_context(frozen_state_of(self.region.fn))
         return stack
 
     def collect(self, value: torch.Tensor | _Holder, t: torch.Tensor | None = None) -> None:

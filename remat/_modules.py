@@ -1,0 +1,401 @@
+"""Rematerialize modules: `wrap`, `unwrap`, `apply`, `sequential`, and module state.
+
+NOTE [ Wrapped modules ]
+1. `wrap` sets an *instance* attribute ``forward`` (a `_RematForward`) on the
+   module; ``nn.Module.__call__`` finds it before the class's ``forward``, so
+   hooks, DDP and ``functional_call`` all go through it. Nothing else changes:
+   no new submodule, no parameter moves, so ``state_dict`` keys stay the same.
+2. No reference cycle: `_RematForward` holds the module through a weak
+   reference. Each call builds a fresh `_Forward` (a strong reference that lives
+   only as long as that call's autograd graph) and runs it through
+   `remat.remat`. A per-call region also lets the ``torch.func`` engine find the
+   module's parameters as ``functional_call`` swapped them in (a `_Forward`
+   exposes the module as an attribute, which ``_closure.py`` walks).
+3. Module state. A recompute runs ``forward`` again; modules that update
+   buffers in forward (BatchNorm's running statistics and
+   ``num_batches_tracked``) would update them twice. While
+   `remat.is_recomputing` is true, every *stateful* module under the wrapped
+   one has each buffer replaced by a copy, and the originals are put back when
+   the recompute ends (also when the engine stops it early): the recompute sees
+   the state the forward left, and changes nothing. The copies are made with
+   the recording/replay dispatch modes switched off, so the recompute runs
+   exactly the forward's ops. Stateful means: an instance of a registered type
+   (`register_stateful`; ``_NormBase``, i.e. BatchNorm/InstanceNorm/SyncBatchNorm,
+   is registered) or a module with the attribute ``remat_stateful = True``.
+   Python-level state (counters, caches) is the user's to guard with
+   `remat.is_recomputing`.
+4. Idempotent: wrapping a wrapped module replaces its policy and options (the
+   original ``forward`` is kept), so wrapping twice with the same arguments is a
+   no-op. `unwrap` restores the instance attribute the module had before (or
+   removes it) on the module and every wrapped submodule.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import types
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from torch import nn
+
+from . import policies
+from ._api import remat
+from ._module_state import _state_frozen
+
+__all__ = [
+    "apply",
+    "is_wrapped",
+    "sequential",
+    "unwrap",
+    "wrap",
+]
+
+M = TypeVar("M", bound=nn.Module)
+Where = type | tuple[type, ...] | Callable[[str, nn.Module], bool]
+#: One policy, a mapping from module type or name to policy, or ``(name, module) -> policy``.
+PolicyChoice = Any
+
+# -- wrap / unwrap -------------------------------------------------------------
+
+
+class _Forward:
+    """One call's ``forward``: the module's own, with its state frozen in recompute.
+
+    Holds the module strongly, for the lifetime of one call's graph (NOTE rule 2).
+    """
+
+    def __init__(self, module: nn.Module, original: Callable[..., Any] | None) -> None:
+        self.module = module
+        self.original = original
+        function = type(module).forward if original is None else original
+        # Error messages and signature checks name the user's forward, not this class.
+        self.__qualname__ = getattr(function, "__qualname__", type(module).__qualname__)
+        self.__wrapped__ = function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.original or types.MethodType(type(self.module).forward, self.module)
+        with _state_frozen(self.module.modules()):
+            return forward(*args, **kwargs)
+
+
+class _RematForward:
+    """The instance attribute ``forward`` of a wrapped module (NOTE rule 1)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        original: Callable[..., Any] | None,
+        policy: Any,
+        options: dict[str, Any],
+    ) -> None:
+        self.module_ref = weakref.ref(module)
+        #: The instance attribute ``forward`` the module had before `wrap`, if any.
+        self.original = original
+        self.policy = policy
+        self.options = options
+        self.__signature__ = inspect.signature(_bound_forward(module, original))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module_ref()
+        assert module is not None, "this is a bug in remat, please report it"
+        region = remat(_Forward(module, self.original), policy=self.policy, **self.options)
+        return region(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _RematForward:
+        # ``copy.deepcopy(model)`` registers the new module in ``memo`` before
+        # copying its ``__dict__``: the copy's forward must point at the copy.
+        module = self.module_ref()
+        target = memo.get(id(module), module)
+        assert target is not None, "this is a bug in remat, please report it"
+        new = copy.copy(self)
+        new.module_ref = weakref.ref(target)
+        new.original = copy.deepcopy(self.original, memo)
+        return new
+
+    def __repr__(self) -> str:
+        return f"<rematerialized forward, policy={self.policy!r}>"
+
+
+def _bound_forward(module: nn.Module, original: Callable[..., Any] | None) -> Callable[..., Any]:
+    return original or types.MethodType(type(module).forward, module)
+
+
+def is_wrapped(module: nn.Module) -> bool:
+    """Return whether ``module``'s forward was rematerialized by `wrap`.
+
+    Example:
+        >>> import torch
+        >>> from remat._modules import is_wrapped, wrap
+        >>> is_wrapped(wrap(torch.nn.Linear(2, 2)))
+        True
+    """
+    return isinstance(module.__dict__.get("forward"), _RematForward)
+
+
+def wrap(module: M, /, *, policy: Any = "nothing-saveable", **remat_options: Any) -> M:
+    """Rematerialize ``module``'s forward, in place; return the same module.
+
+    Calls keep working as before: positional and keyword arguments, pytrees,
+    non-tensor outputs, forward hooks. The module holds no reference to itself
+    (it is garbage-collected as usual), its ``state_dict`` keys do not change,
+    and BatchNorm statistics (and the buffers of any stateful module, see
+    `register_stateful`) update once per forward, never in recompute.
+    Wrapping a wrapped module replaces its policy and options. `unwrap` undoes
+    it.
+
+    Args:
+        module (nn.Module): the module to rematerialize.
+        policy (optional): what to keep for backward, as for `remat.remat`.
+            Default: "nothing-saveable".
+        **remat_options: the other keyword options of `remat.remat`
+            (``static_argnums``, ``preserve_rng_state``, ``determinism_check``,
+            ``debug``, ``engine``).
+
+    Returns:
+        ``module`` itself.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, or an option is unknown.
+        ValueError: the policy or a static argument is invalid.
+
+    Example:
+        >>> import torch
+        >>> from remat._modules import wrap
+        >>> block = wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()),
+        ...              policy="dots-saveable")
+        >>> block(torch.randn(2, 4)).sum().backward()
+        >>> block[0].weight.grad.shape
+        torch.Size([4, 4])
+        >>> list(block.state_dict())
+        ['0.weight', '0.bias']
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"remat.wrap: expected an nn.Module, got {type(module).__name__}")
+    current = module.__dict__.get("forward")
+    original = current.original if isinstance(current, _RematForward) else current
+    # Validate the options now, against the real forward, rather than at first call.
+    remat(_bound_forward(module, original), policy=policy, **remat_options)
+    resolved = policies.resolve(policy)
+    module.forward = _RematForward(module, original, resolved, dict(remat_options))
+    return module
+
+
+def unwrap(module: M, /) -> M:
+    """Undo `wrap` on ``module`` and on every wrapped submodule; return ``module``.
+
+    Example:
+        >>> import torch
+        >>> from remat._modules import apply, is_wrapped, unwrap
+        >>> model = apply(torch.nn.Sequential(torch.nn.Linear(2, 2)), where=torch.nn.Linear)
+        >>> is_wrapped(unwrap(model)[0])
+        False
+    """
+    for sub in module.modules():
+        current = sub.__dict__.get("forward")
+        if isinstance(current, _RematForward):
+            if current.original is None:
+                del sub.forward
+            else:
+                sub.forward = current.original
+    return module
+
+
+# -- apply ---------------------------------------------------------------------
+
+
+def apply(
+    model: M,
+    /,
+    *,
+    policy: PolicyChoice = "nothing-saveable",
+    where: Where,
+    **remat_options: Any,
+) -> M:
+    """Wrap every submodule of ``model`` that ``where`` selects; return ``model``.
+
+    Modules are visited in ``named_modules()`` order (the root, named ``""``,
+    first). When a selected module contains another selected one, only the
+    outermost is wrapped (the outer policy would decide anyway).
+
+    Args:
+        model (nn.Module): the model, changed in place.
+        policy (optional): one policy for every match, a mapping from a module
+            type or qualified name to a policy (names are looked up before
+            types, types along the MRO; a match with no entry raises), or a
+            callable ``(name, module) -> policy``. Default: "nothing-saveable".
+        where (type | tuple of types | callable): the modules to wrap, by type,
+            or a predicate ``(qualified_name, module) -> bool``.
+        **remat_options: the other options of `remat.remat`, for every match.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        TypeError: ``where`` is neither a type, a tuple of types nor callable.
+        KeyError: a policy mapping has no entry for a selected module.
+
+    Example:
+        >>> import torch
+        >>> from remat._modules import apply, is_wrapped
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(),
+        ...                             torch.nn.Linear(4, 1))
+        >>> _ = apply(model, where=torch.nn.Linear,
+        ...           policy={torch.nn.Linear: "dots-saveable"})
+        >>> [is_wrapped(m) for m in model]
+        [True, False, True]
+    """
+    select = _selector(where)
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(_contains(outer, name) for outer, _ in chosen):
+            continue
+        if select(name, module):
+            chosen.append((name, module))
+    for name, module in chosen:
+        wrap(module, policy=_policy_for(policy, name, module), **remat_options)
+    return model
+
+
+def _contains(outer: str, name: str) -> bool:
+    return outer == "" or name.startswith(outer + ".")
+
+
+def _selector(where: Where) -> Callable[[str, nn.Module], bool]:
+    if isinstance(where, type) or (
+        isinstance(where, tuple) and all(isinstance(t, type) for t in where)
+    ):
+        types_ = where
+        return lambda _name, module: isinstance(module, types_)
+    if callable(where):
+        return where
+    raise TypeError(
+        "remat.apply: where must be a module type, a tuple of types or a predicate "
+        f"(name, module) -> bool, got {where!r}"
+    )
+
+
+def _policy_for(policy: PolicyChoice, name: str, module: nn.Module) -> Any:
+    if isinstance(policy, Mapping):
+        if name in policy:
+            return policy[name]
+        for cls in type(module).__mro__:
+            if cls in policy:
+                return policy[cls]
+        raise KeyError(
+            f"remat.apply: the policy mapping has no entry for module {name!r} of type "
+            f"{type(module).__name__}; add its name or type (keys: {list(policy)})"
+        )
+    if _is_policy_callback(policy):
+        return policy(name, module)
+    return policy
+
+
+def _is_policy_callback(policy: Any) -> bool:
+    # A policy may itself be a callable ``fn(op, *args)``: only a function whose
+    # first parameter is called ``name`` is taken as a per-module chooser.
+    if isinstance(policy, (str, policies.Policy, list)) or not callable(policy):
+        return False
+    try:
+        params = list(inspect.signature(policy).parameters)
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 2 and params[0] == "name"
+
+
+# -- sequential ----------------------------------------------------------------
+
+
+class _Segment:
+    """Layers ``[start, stop)`` of a sequence, run one after another."""
+
+    def __init__(self, layers: Sequence[Callable[..., Any]]) -> None:
+        # An attribute (not a closure cell) so the torch.func engine finds the modules.
+        self.layers = list(layers)
+        self.__qualname__ = "remat.sequential segment"
+
+    def __call__(self, x: Any) -> Any:
+        modules = [
+            m for layer in self.layers if isinstance(layer, nn.Module) for m in layer.modules()
+        ]
+        with _state_frozen(modules):
+            for layer in self.layers:
+                x = layer(x)
+        return x
+
+
+def segment_bounds(n: int, segments: int) -> list[tuple[int, int]]:
+    """Split ``n`` layers into ``segments`` runs, as ``checkpoint_sequential`` does.
+
+    Every segment but the last has ``n // segments`` layers; the last takes the
+    rest (so it is the largest).
+
+    Example:
+        >>> from remat._modules import segment_bounds
+        >>> segment_bounds(7, 3)
+        [(0, 2), (2, 4), (4, 7)]
+    """
+    if not 1 <= segments <= n:
+        raise ValueError(
+            f"remat.sequential: segments must be between 1 and the number of layers ({n}), "
+            f"got {segments}"
+        )
+    size = n // segments
+    bounds = [(i * size, (i + 1) * size) for i in range(segments - 1)]
+    bounds.append(((segments - 1) * size, n))
+    return bounds
+
+
+def sequential(
+    layers: nn.Sequential | nn.ModuleList | Sequence[Callable[..., Any]],
+    x: Any,
+    /,
+    *,
+    segments: int = 1,
+    policy: Any = "save-last",
+    **remat_options: Any,
+) -> Any:
+    """Run ``layers`` on ``x`` in ``segments`` rematerialized segments; return the output.
+
+    Each layer gets the previous layer's output (any pytree) as its single
+    argument. The layers are split as ``torch.utils.checkpoint.checkpoint_sequential``
+    splits them (see `segment_bounds`), but *every* segment is a region. Under
+    the default ``"save-last"`` the most recent segment keeps its activations,
+    so backward starts without recomputing it (6 layers in 3 segments: layer
+    forward counts ``[2, 2, 2, 2, 1, 1]``, as ``checkpoint_sequential``);
+    ``"nothing-saveable"`` recomputes every segment, the last one too.
+
+    Args:
+        layers (nn.Sequential | nn.ModuleList | sequence of callables): the layers.
+        x: the input of the first layer.
+        segments (int, optional): how many regions, from 1 to ``len(layers)``.
+            Default: 1.
+        policy (optional): the policy of every segment, as for `remat.remat`.
+            Default: "save-last".
+        **remat_options: the other options of `remat.remat`.
+
+    Returns:
+        The last layer's output.
+
+    Raises:
+        ValueError: ``segments`` is out of range.
+        TypeError: a layer is not callable.
+
+    Example:
+        >>> import torch
+        >>> from remat._modules import sequential
+        >>> net = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
+        >>> y = sequential(net, torch.randn(2, 4), segments=3)
+        >>> y.sum().backward()
+        >>> net[0].weight.grad.shape
+        torch.Size([4, 4])
+    """
+    layers = list(layers)
+    for i, layer in enumerate(layers):
+        if not callable(layer):
+            raise TypeError(f"remat.sequential: layer {i} is not callable: {layer!r}")
+    for start, stop in segment_bounds(len(layers), segments):
+        x = remat(_Segment(layers[start:stop]), policy=policy, **remat_options)(x)
+    return x
