@@ -12,26 +12,50 @@ from ._api import remat as remat
 from ._errors import NondeterministicRecomputeError as NondeterministicRecomputeError
 from ._errors import RematError as RematError
 from ._errors import SavedInputMutatedError as SavedInputMutatedError
+from ._inspect import PolicyCost as PolicyCost
+from ._inspect import Residual as Residual
+from ._inspect import compare as compare
+from ._inspect import policy_costs as policy_costs
+from ._inspect import print_saved_residuals as print_saved_residuals
+from ._inspect import residual_totals as residual_totals
+from ._inspect import saved_residuals as saved_residuals
+from ._memory import MemoryReport as MemoryReport
+from ._memory import measure_step as measure_memory
 from ._module_state import register_stateful as register_stateful
 from ._modules import apply as apply
 from ._modules import sequential as sequential
 from ._modules import unwrap as unwrap
 from ._modules import wrap as wrap
+from ._offload import CudaHostStore as CudaHostStore
+from ._offload import HostStore as HostStore
+from ._offload import use_host_store as use_host_store
 from ._state import is_recomputing as is_recomputing
 
 __all__ = [
+    "CudaHostStore",
+    "HostStore",
+    "MemoryReport",
     "NondeterministicRecomputeError",
+    "PolicyCost",
     "RematError",
+    "Residual",
     "SavedInputMutatedError",
     "apply",
     "checkpoint",
     "checkpoint_name",
+    "compare",
     "is_recomputing",
+    "measure_memory",
     "policies",
+    "policy_costs",
+    "print_saved_residuals",
     "register_stateful",
     "remat",
+    "residual_totals",
+    "saved_residuals",
     "sequential",
     "unwrap",
+    "use_host_store",
     "wrap",
 ]
 

@@ -12,6 +12,7 @@ import torch
 
 from . import policies
 from ._engines.hooks import run_eager
+from ._offload import HostStore
 from ._pytree import tensor_leaves
 from ._region import Region, describe_callable
 from ._state import local
@@ -36,6 +37,7 @@ def remat(
     determinism_check: bool = ...,
     debug: bool = ...,
     engine: Engine = ...,
+    offload_store: HostStore | None = ...,
 ) -> F: ...
 
 
@@ -51,6 +53,7 @@ def remat(
     determinism_check: bool = ...,
     debug: bool = ...,
     engine: Engine = ...,
+    offload_store: HostStore | None = ...,
 ) -> Callable[[F], F]: ...
 
 
@@ -65,6 +68,7 @@ def remat(
     determinism_check: bool = True,
     debug: bool = False,
     engine: Engine = "auto",
+    offload_store: HostStore | None = None,
 ) -> F | Callable[[F], F]:
     """Rematerialize ``fn``: keep only what ``policy`` saves, recompute the rest in backward.
 
@@ -91,6 +95,10 @@ def remat(
         engine ("auto" | "eager" | "functional", optional): "auto" uses the
             ``torch.func`` engine when a transform is active and the eager one
             otherwise. Default: "auto".
+        offload_store (HostStore, optional): where ``OFFLOAD`` decisions put
+            values (e.g. a ``CudaHostStore(min_bytes=..., prefetch_distance=...)``
+            to tune the size threshold and the prefetch distance). Default: the
+            innermost `use_host_store`, else the process-wide pinned-host store.
 
     Returns:
         The rematerialized function (or a decorator, when ``fn`` is omitted).
@@ -99,7 +107,7 @@ def remat(
         TypeError: ``fn`` is not callable, or an option has the wrong type.
         ValueError: the policy or a static argument is unknown.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> @remat.remat(policy="dots-saveable")
         ... def mlp(x, params):
@@ -118,6 +126,7 @@ def remat(
         determinism_check=determinism_check,
         debug=debug,
         engine=engine,
+        offload_store=offload_store,
     )
     if fn is None:
         return functools.partial(remat, **options)
@@ -139,9 +148,14 @@ def _make_wrapper(
     determinism_check: bool,
     debug: bool,
     engine: str,
+    offload_store: HostStore | None,
 ) -> F:
     if engine not in _ENGINES:
         raise ValueError(f"remat.remat: engine must be one of {_ENGINES}, got {engine!r}")
+    if offload_store is not None and not isinstance(offload_store, HostStore):
+        raise TypeError(
+            f"remat.remat: offload_store must be a HostStore or None, got {offload_store!r}"
+        )
     argnums = _normalize(static_argnums, int, "static_argnums")
     argnames = _normalize(static_argnames, str, "static_argnames")
     _check_static(fn, argnums, argnames)
@@ -154,6 +168,7 @@ def _make_wrapper(
         label=describe_callable(fn),
         static_argnums=frozenset(argnums),
         static_argnames=frozenset(argnames),
+        offload_store=offload_store,
     )
 
     def rematerialized(*args: Any, **kwargs: Any) -> Any:
@@ -249,7 +264,7 @@ def checkpoint_name(x: T, name: str) -> T:
     Returns:
         ``x``, unchanged.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> @remat.remat(policy="save:hidden")
         ... def f(x, w):

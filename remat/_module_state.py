@@ -47,7 +47,7 @@ def register_stateful(cls: type) -> type:
     Raises:
         TypeError: ``cls`` is not an ``nn.Module`` subclass.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> @remat.register_stateful
         ... class Counter(torch.nn.Module):
@@ -103,7 +103,7 @@ def frozen_state_of(fn: Callable[..., Any]) -> contextlib.AbstractContextManager
     The engines' hook for plain ``remat.remat(module)`` regions (NOTE rule 3):
     outside a recompute, or when ``fn`` belongs to no module, it does nothing.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat._module_state import frozen_state_of
         >>> bn = torch.nn.BatchNorm1d(2)

@@ -126,7 +126,7 @@ def _bound_forward(module: nn.Module, original: Callable[..., Any] | None) -> Ca
 def is_wrapped(module: nn.Module) -> bool:
     """Return whether ``module``'s forward was rematerialized by `wrap`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from remat._modules import is_wrapped, wrap
         >>> is_wrapped(wrap(torch.nn.Linear(2, 2)))
@@ -161,10 +161,9 @@ def wrap(module: M, /, *, policy: Any = "nothing-saveable", **remat_options: Any
         TypeError: ``module`` is not an ``nn.Module``, or an option is unknown.
         ValueError: the policy or a static argument is invalid.
 
-    Example:
-        >>> import torch
-        >>> from remat._modules import wrap
-        >>> block = wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()),
+    Examples:
+        >>> import torch, remat
+        >>> block = remat.wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()),
         ...              policy="dots-saveable")
         >>> block(torch.randn(2, 4)).sum().backward()
         >>> block[0].weight.grad.shape
@@ -186,11 +185,11 @@ def wrap(module: M, /, *, policy: Any = "nothing-saveable", **remat_options: Any
 def unwrap(module: M, /) -> M:
     """Undo `wrap` on ``module`` and on every wrapped submodule; return ``module``.
 
-    Example:
-        >>> import torch
-        >>> from remat._modules import apply, is_wrapped, unwrap
-        >>> model = apply(torch.nn.Sequential(torch.nn.Linear(2, 2)), where=torch.nn.Linear)
-        >>> is_wrapped(unwrap(model)[0])
+    Examples:
+        >>> import torch, remat
+        >>> from remat._modules import is_wrapped
+        >>> model = remat.apply(torch.nn.Sequential(torch.nn.Linear(2, 2)), where=torch.nn.Linear)
+        >>> is_wrapped(remat.unwrap(model)[0])
         False
     """
     for sub in module.modules():
@@ -237,12 +236,13 @@ def apply(
         TypeError: ``where`` is neither a type, a tuple of types nor callable.
         KeyError: a policy mapping has no entry for a selected module.
 
-    Example:
+    Examples:
         >>> import torch
-        >>> from remat._modules import apply, is_wrapped
+        >>> import remat
+        >>> from remat._modules import is_wrapped
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(),
         ...                             torch.nn.Linear(4, 1))
-        >>> _ = apply(model, where=torch.nn.Linear,
+        >>> _ = remat.apply(model, where=torch.nn.Linear,
         ...           policy={torch.nn.Linear: "dots-saveable"})
         >>> [is_wrapped(m) for m in model]
         [True, False, True]
@@ -332,7 +332,7 @@ def segment_bounds(n: int, segments: int) -> list[tuple[int, int]]:
     Every segment but the last has ``n // segments`` layers; the last takes the
     rest (so it is the largest).
 
-    Example:
+    Examples:
         >>> from remat._modules import segment_bounds
         >>> segment_bounds(7, 3)
         [(0, 2), (2, 4), (4, 7)]
@@ -383,11 +383,10 @@ def sequential(
         ValueError: ``segments`` is out of range.
         TypeError: a layer is not callable.
 
-    Example:
-        >>> import torch
-        >>> from remat._modules import sequential
+    Examples:
+        >>> import torch, remat
         >>> net = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
-        >>> y = sequential(net, torch.randn(2, 4), segments=3)
+        >>> y = remat.sequential(net, torch.randn(2, 4), segments=3)
         >>> y.sum().backward()
         >>> net[0].weight.grad.shape
         torch.Size([4, 4])

@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .policies import Policy
+
+if TYPE_CHECKING:
+    from ._offload import HostStore
 
 __all__ = ["Region", "describe_callable"]
 
@@ -30,6 +33,8 @@ class Region:
     #: Positions and names of arguments passed through untouched (not searched for tensors).
     static_argnums: frozenset[int] = frozenset()
     static_argnames: frozenset[str] = frozenset()
+    #: Where ``OFFLOAD`` decisions send values; None: the current store (see ``_offload``).
+    offload_store: HostStore | None = None
 
 
 def describe_callable(fn: Callable[..., Any]) -> str:

@@ -102,6 +102,8 @@ class OpRecord:
     metas: tuple[tuple[Any, ...], ...] = ()
     #: Runs in the recompute whatever reads it (NOTE rule 5).
     always_live: bool = False
+    #: Outputs kept only until the forward ends, in case `checkpoint_name` saves one.
+    tentative: bool = False
 
     def decision_at(self, position: int) -> Decision:
         if self.named is not None and position in self.named:
@@ -146,7 +148,7 @@ class OpLog:
     def record(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         index = len(self.records)
         outputs = _flat_tensors(out)
-        effectful = _ops.is_random(op) or _ops.is_inplace_or_out(op)
+        effectful = _draws_random(op, args, kwargs) or _ops.is_inplace_or_out(op)
         if effectful:
             verdict: Hashable = None
             decision = Decision.RECOMPUTE
@@ -158,9 +160,15 @@ class OpLog:
         rec.metas = tuple((t.shape, t.stride(), t.dtype, t.device) for t in outputs)
         rec.always_live = effectful or _reads_data(op, out)
         self.records.append(rec)
+        # A named output of a multi-output op (attention's output beside its
+        # log-sum-exp) is replayable only if its siblings are kept as well.
+        rec.tentative = (
+            decision is Decision.RECOMPUTE and len(outputs) > 1
+            and self.policy.uses_names and not effectful
+        )
         for position, tensor in enumerate(outputs):
             setattr(tensor, TAG, (self.serial, index, position))
-            if decision is not Decision.RECOMPUTE:
+            if decision is not Decision.RECOMPUTE or rec.tentative:
                 rec.keep(position, tensor, len(outputs))
 
     def _producers(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
@@ -200,18 +208,26 @@ class OpLog:
         if found is None:
             return  # a region input or a closed-over tensor: kept anyway
         rec, position = found
-        if _ops.is_random(rec.op) or _ops.is_inplace_or_out(rec.op):
-            return  # never kept, see NOTE rule 4
+        if rec.always_live and rec.decision is Decision.RECOMPUTE and rec.verdict is None:
+            return  # random or in-place: never kept, see NOTE rule 4
         decision = self.policy.decide(rec.verdict, name)
         if rec.named is None:
             rec.named = {}
         rec.named[position] = (name, decision)
+        if decision is not Decision.RECOMPUTE:
+            rec.tentative = False  # keep the siblings with it
         if decision is Decision.RECOMPUTE:
             if rec.kept is not None:
                 rec.kept[position] = None
         else:
-            count = len(rec.kept) if rec.kept is not None else position + 1
-            rec.keep(position, tensor, max(count, position + 1))
+            rec.keep(position, tensor, len(rec.metas))
+
+    def end_forward(self) -> None:
+        """Release the outputs kept only in case a name would save them."""
+        for rec in self.records:
+            if rec.tentative:
+                rec.release()
+                rec.tentative = False
 
     def op_names(self) -> list[str]:
         return [str(rec.op) for rec in self.records]
@@ -227,6 +243,21 @@ _DATA_TAGS = tuple(
     for name in ("data_dependent_output", "dynamic_output_shape")
     if hasattr(torch.Tag, name)
 )
+
+
+def _draws_random(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call draws random numbers.
+
+    Attention kernels are tagged random because of their ``dropout_p``
+    argument; with ``dropout_p == 0`` they draw nothing and may be kept.
+    """
+    if not _ops.is_random(op):
+        return False
+    for position, argument in enumerate(op._schema.arguments):
+        if argument.name == "dropout_p":
+            value = kwargs.get("dropout_p", args[position] if position < len(args) else 0.0)
+            return bool(value)
+    return True
 
 
 def _reads_data(op: Any, out: Any) -> bool:

@@ -35,7 +35,7 @@ def is_recomputing() -> bool:
     Returns:
         bool: whether the calling code runs inside a recompute.
 
-    Example:
+    Examples:
         >>> import torch, remat
         >>> calls = []
         >>> @remat.remat

@@ -429,3 +429,23 @@ def test_autocast_state_is_replayed() -> None:
         out = f(x, w).sum()
     expected = torch.autograd.grad(out, (x, w))
     assert_close_all(got, expected)
+
+
+@pytest.mark.parametrize("policy", ["dots-saveable", "save:attn"])
+def test_attention_kernel_is_not_recomputed_when_kept(policy: str) -> None:
+    # SDPA kernels are tagged random (dropout_p); with dropout_p == 0 they draw
+    # nothing and may be kept; naming their output keeps the log-sum-exp too.
+    def f(x, w):  # type: ignore[no-untyped-def]
+        q, k, v = (x @ w).reshape(2, 5, 3, 4).unbind(2)
+        attn = remat.checkpoint_name(
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), "attn"
+        )
+        return torch.tanh(attn @ w[:, :4])
+
+    x, w = torch.randn(2, 5, 4, requires_grad=True), torch.randn(4, 12, requires_grad=True)
+    expected = torch.autograd.grad(f(x, w).sum(), (x, w))
+    out = remat.remat(f, policy=policy)(x, w).sum()
+    with OpCounter() as counter:
+        got = torch.autograd.grad(out, (x, w))
+    assert not any("scaled_dot_product" in op and "backward" not in op for op in counter.counts)
+    assert_close_all(got, expected)

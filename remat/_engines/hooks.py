@@ -25,19 +25,20 @@ NOTE [ The eager engine ]
 6. Offload (NOTE [ Offload: streams, events, prefetch ] in ``_offload.py``): an
    ``OFFLOAD`` value goes to the frame's host store once, as an `Offloaded`
    entry keyed by the op output it is (record, position). A saved tensor is put
-   in `pack`, right after its op (autograd forbids writing to it afterwards);
-   a kept op output that autograd does not save (the recompute replays it) is
-   put at the end of the forward, after checking that nothing wrote to it (a
-   copy started earlier would race with the write). Entries are ordered by
-   (frame serial, op index), so prefetch follows op order either way. The holder keeps
-   the entry; the record keeps a ``meta`` placeholder (so liveness still sees a
-   replayable op) and drops the device tensor. The recompute fetches values back
-   into the records before replaying (newest first, the order prefetch expects)
-   and drops them after. Kept on the device instead: what the store does not
-   accept (CPU tensors under the CUDA store, small or strided tensors), region
-   inputs, parameters and their views, region outputs (alive anyway), values
-   mutated after they were kept, and everything produced during another
-   region's recompute (needed again at once).
+   in `pack`, right after its op. (Writing to a saved tensor later is an error
+   in plain autograd; under saved-tensor hooks autograd no longer detects it,
+   and on CUDA such a write would race with the copy.) A kept op output that
+   autograd does not save (the recompute replays it) is put at the end of the
+   forward, after checking that nothing wrote to it. Entries are ordered by
+   (frame serial, op index, position), so prefetch follows op order either way.
+   The holder keeps the entry; the record keeps a ``meta`` placeholder (so
+   liveness still sees a replayable op) and drops the device tensor. The
+   recompute fetches values back into the records before replaying (newest
+   first, the order prefetch expects) and drops them after. Kept on the device
+   instead: what the store does not accept (CPU tensors under the CUDA store,
+   small or strided tensors), region inputs, parameters and their views, region
+   outputs (alive anyway), values mutated after they were kept, and everything
+   produced during another region's recompute (needed again at once).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .._autocast import AutocastState
 from .._errors import NondeterministicRecomputeError, RematError, SavedInputMutatedError
@@ -171,6 +173,7 @@ class _Frame:
         """Fill holders named after they were saved; release kept ops nothing reads."""
         if self.log is None:
             return
+        self.log.end_forward()
         self.offload_kept(out)
         for holder in self._alive():
             if holder.tensor is None and holder.source is not None:
@@ -207,14 +210,16 @@ class _Frame:
         key = (id(record), position)
         if key in self.offloaded:
             return self.offloaded[key][2]  # the same value saved twice: one copy
-        entry = offload(t.detach(), self.store, (self.serial, index))
+        with _disable_current_modes():  # the copies are ours, not the region's ops
+            entry = offload(t.detach(), self.store, (self.serial, index, position))
+            placeholder = _placeholder(t)
         if entry is None:
             return None
         self.offloaded[key] = (record, index, entry)
         if record.kept is not None and record.versions is not None:
             if record.versions[position] == t._version:
-                record.kept[position] = _placeholder(t)
-                record.versions[position] = 0
+                record.kept[position] = placeholder
+                record.versions[position] = placeholder._version
             else:
                 record.kept[position] = None  # mutated since kept: the op runs again
         return entry
@@ -243,7 +248,8 @@ class _Frame:
         entries = sorted(self.offloaded.items(), key=lambda item: item[1][2].seq, reverse=True)
         for (_, position), (record, index, entry) in entries:
             if index < clock and record.kept is not None and record.versions is not None:
-                value = entry.get()
+                with _disable_current_modes():
+                    value = entry.get()
                 record.kept[position] = value
                 record.versions[position] = value._version
                 restored.append((record, position))
@@ -291,7 +297,8 @@ class _Frame:
         if isinstance(value, _Holder):
             return value.frame.unpack(value)
         if isinstance(value, Offloaded):
-            return value.get()
+            with _disable_current_modes():
+                return value.get()
         if value is None:
             raise RematError(
                 f"remat: the recompute of {self.region.label} did not produce saved tensor "

@@ -1,0 +1,199 @@
+"""``python -m remat``: what each policy costs on a small GPT-style block stack (CPU).
+
+For every variant it prints the peak bytes of one training step, the bytes held
+for backward after the forward, how many ops the backward recomputes, the step
+time as a ratio to no remat (median of interleaved repetitions in this run),
+and whether the gradients match no remat's.
+
+Memory is counted exactly by `remat._memory.MemoryMeter` (tensor storages;
+parameters and the input are the baseline, not counted). "Recomputed ops" is
+the number of aten compute ops (views and detaches excluded) the backward runs,
+minus the number no remat's backward runs: the forward ops repeated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _demo_model as demo
+from ._memory import measure_step
+
+__all__ = ["VARIANTS", "Row", "format_table", "main"]
+
+#: (label, the `Stack` checkpointing string), in table order.
+VARIANTS: tuple[tuple[str, str], ...] = (
+    ("no remat", demo.NO_REMAT),
+    ("torch checkpoint", demo.TORCH_CHECKPOINT),
+    ("torch selective (dots)", demo.TORCH_SELECTIVE + "dots-saveable"),
+    *((policy, policy) for policy in (
+        "nothing-saveable",
+        "dots-saveable",
+        "dots-no-batch-saveable",
+        "save:attn_out",
+        "save-last",
+        "save-last+dots-saveable",
+        "everything-saveable",
+    )),
+)
+
+#: Largest gradient difference from no remat that still counts as a match.
+GRAD_TOLERANCE = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One line of the demo table."""
+
+    label: str
+    peak_bytes: int
+    held_bytes: int
+    recomputed_ops: int
+    time_ratio: float
+    grad_diff: float
+
+    @property
+    def grads_match(self) -> bool:
+        """Whether every gradient is within `GRAD_TOLERANCE` of no remat's."""
+        return self.grad_diff <= GRAD_TOLERANCE
+
+
+class _ComputeOpCounter(TorchDispatchMode):
+    """Count aten ops that compute something (not views, not detaches)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.count = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        if not (func.is_view or func.overloadpacket is torch.ops.aten.detach):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops_and_grads(
+    model: demo.Stack, x: torch.Tensor, how: str
+) -> tuple[int, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model.loss(x, how)
+    with _ComputeOpCounter() as counter:  # active in backward only: recompute lands here
+        loss.backward()
+    return counter.count, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _step_seconds(model: demo.Stack, x: torch.Tensor, how: str) -> float:
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    model.loss(x, how).backward()
+    return time.perf_counter() - start
+
+
+def run(
+    model: demo.Stack,
+    x: torch.Tensor,
+    variants: Sequence[tuple[str, str]] = VARIANTS,
+    repeats: int = 5,
+) -> list[Row]:
+    """Measure every variant on ``model`` and ``x``; the first variant is the reference."""
+    memory, ops, grads = {}, {}, {}
+    for label, how in variants:
+        # Counting first warms up one-time allocations, which must not reach the meter.
+        ops[label], grads[label] = _backward_ops_and_grads(model, x, how)
+        model.zero_grad(set_to_none=True)
+        memory[label] = measure_step(lambda x, how=how: model.loss(x, how), x)
+    # Interleaved, so that a slow moment of a noisy machine hits every variant alike.
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    for _ in range(repeats):
+        for label, how in variants:
+            times[label].append(_step_seconds(model, x, how))
+    ref = variants[0][0]
+    ref_time = statistics.median(times[ref])
+    return [
+        Row(
+            label=label,
+            peak_bytes=memory[label].peak_bytes,
+            held_bytes=memory[label].held_bytes,
+            recomputed_ops=ops[label] - ops[ref],
+            time_ratio=statistics.median(times[label]) / ref_time,
+            grad_diff=max(
+                (a - b).abs().max().item() for a, b in zip(grads[label], grads[ref], strict=True)
+            ),
+        )
+        for label, how in variants
+    ]
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """Format rows as a Markdown table.
+
+    Examples:
+        >>> print(format_table([Row("no remat", 2048, 1024, 0, 1.0, 0.0)]))
+        | policy   | peak bytes | held bytes | recomputed ops | time vs no remat | grads match |
+        |----------|------------|------------|----------------|------------------|-------------|
+        | no remat |      2,048 |      1,024 |              0 |            1.00x | yes         |
+    """
+    header = ("policy", "peak bytes", "held bytes", "recomputed ops", "time vs no remat",
+              "grads match")
+    cells = [header] + [
+        (r.label, f"{r.peak_bytes:,}", f"{r.held_bytes:,}", f"{r.recomputed_ops:,}",
+         f"{r.time_ratio:.2f}x", "yes" if r.grads_match else f"NO ({r.grad_diff:.1e})")
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        # Text columns left-aligned, numbers right-aligned.
+        parts = [c.ljust(w) if i in (0, 5) else c.rjust(w)
+                 for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        return "| " + " | ".join(parts) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), rule, *(line(row) for row in cells[1:])])
+
+
+def main(argv: Sequence[str] | None = None) -> list[Row]:
+    """Run the demo and print its table; return the rows.
+
+    Args:
+        argv (sequence of str, optional): command-line arguments (``--depth``,
+            ``--width``, ``--heads``, ``--batch``, ``--seq``, ``--repeats``,
+            ``--threads``). Default: ``sys.argv[1:]``.
+
+    Returns:
+        list[Row]: one row per variant, no remat first.
+    """
+    parser = argparse.ArgumentParser(prog="python -m remat", description=__doc__.splitlines()[0])
+    for name, default in (("depth", 8), ("width", 64), ("heads", 4), ("batch", 4), ("seq", 64),
+                          ("repeats", 7), ("threads", 1)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    args = parser.parse_args(argv)
+    model = demo.Stack(depth=args.depth, width=args.width, heads=args.heads)
+    x = demo.make_input(model, batch=args.batch, seq=args.seq)
+    # One thread: on a shared, loaded machine several threads per op make timings noise.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        rows = run(model, x, repeats=args.repeats)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"GPT-style stack: {args.depth} blocks, width {args.width}, {args.heads} heads, "
+          f"input ({args.batch}, {args.seq}, {args.width}), float32, CPU; "
+          f"{sum(p.numel() for p in model.parameters()):,} parameters")
+    print(format_table(rows))
+    print("peak/held: bytes of tensor storages beyond parameters and input, counted exactly.\n"
+          "recomputed ops: aten compute ops in backward minus those of no remat's backward.")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

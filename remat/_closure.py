@@ -1,0 +1,284 @@
+"""Find the tensors a function closes over, so an `autograd.Function` can take them as inputs.
+
+NOTE [ Closed-over tensors ]
+1. An `autograd.Function` sees only the tensors passed to ``apply``. Under
+   ``torch.func.grad`` a tensor that ``fn`` reaches any other way (a closure
+   cell, a module parameter, a global) is not differentiated: its gradient comes
+   back as silent zeros. So before the call we walk what ``fn`` can reach and
+   collect every tensor that some transform or eager autograd tracks (a
+   functorch-wrapped tensor, or one that requires grad).
+2. Each found tensor lives in a *slot* that can be read and written: a closure
+   cell, a module's ``_parameters``/``_buffers`` entry, an object attribute, a
+   global, or a leaf of a list/tuple/dict held in one of those. The engine passes
+   the tensors as explicit inputs and, while ``fn`` runs, writes the Function's
+   view of each one back into its slot (`Bindings.swapped`).
+3. What we walk: ``functools.partial`` (its function), bound methods (``__self__``
+   and ``__func__``), functions (closure cells and the globals their code, and
+   code nested in it, names), ``nn.Module``s (every parameter, buffer and plain
+   tensor attribute of every submodule, and the code of ``forward``), and other
+   callable objects (their attributes and ``__call__``). Anything else (a tensor
+   inside an arbitrary object's list attribute, a tensor reached through a
+   function call's return value) is not found; the engine's guard then raises
+   `RematError` instead of returning a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import types
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import optree
+import torch
+
+__all__ = ["Bindings", "find_closed_over", "is_tracked"]
+
+_MAX_DEPTH = 8
+_PYTREE_TYPES = (list, tuple, dict)
+
+
+def is_tracked(t: torch.Tensor) -> bool:
+    """Whether some transform or eager autograd could want a gradient for ``t``."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t) or t.requires_grad
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    """A place that holds tensors ``fn`` reads: ``get()``/``set(v)`` access its value."""
+
+    get: Callable[[], Any]
+    set: Callable[[Any], None]
+    where: str
+    #: Positions of the tracked tensor leaves in ``optree.tree_flatten(get())``.
+    positions: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class Bindings:
+    """The closed-over tracked tensors of one function and the slots that hold them."""
+
+    tensors: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    #: Human-readable location of each tensor ("closure variable 'w' of f").
+    names: list[str] = dataclasses.field(default_factory=list)
+    _slots: list[tuple[_Slot, list[int]]] = dataclasses.field(default_factory=list)
+    _index: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def add(self, slot: _Slot, leaves: Sequence[torch.Tensor]) -> None:
+        indices = []
+        for position in slot.positions:
+            tensor = leaves[position]
+            if id(tensor) not in self._index:  # tied weights: one input, several slots
+                self._index[id(tensor)] = len(self.tensors)
+                self.tensors.append(tensor)
+                self.names.append(f"{slot.where} ({_describe(tensor)})")
+            indices.append(self._index[id(tensor)])
+        self._slots.append((slot, indices))
+
+    @contextlib.contextmanager
+    def swapped(self, replacements: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Put ``replacements[i]`` where ``tensors[i]`` was while the block runs."""
+        saved = []
+        try:
+            for slot, indices in self._slots:
+                old = slot.get()
+                saved.append((slot, old))
+                leaves, treedef = optree.tree_flatten(old, none_is_leaf=True)
+                for position, index in zip(slot.positions, indices, strict=True):
+                    leaves[position] = replacements[index]
+                slot.set(optree.tree_unflatten(treedef, leaves))
+            yield
+        finally:
+            for slot, old in reversed(saved):
+                slot.set(old)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"tensor of shape {tuple(t.shape)}, dtype {t.dtype}"
+
+
+def find_closed_over(fn: Callable[..., Any]) -> Bindings:
+    """Walk what ``fn`` reaches (NOTE [ Closed-over tensors ]) and bind its tracked tensors."""
+    bindings = Bindings()
+    _Walker(bindings).callable(fn, _name(fn), 0)
+    return bindings
+
+
+def _name(obj: Any) -> str:
+    return str(getattr(obj, "__qualname__", None) or type(obj).__qualname__)
+
+
+class _Walker:
+    def __init__(self, bindings: Bindings) -> None:
+        self.bindings = bindings
+        self.seen: set[int] = set()
+
+    def first_visit(self, obj: Any) -> bool:
+        if id(obj) in self.seen:
+            return False
+        self.seen.add(id(obj))
+        return True
+
+    def callable(self, fn: Any, where: str, depth: int) -> None:
+        if depth > _MAX_DEPTH or not self.first_visit(fn):
+            return
+        if isinstance(fn, torch.nn.Module):
+            self.module(fn, where, depth)
+            forward = type(fn).forward
+            if isinstance(forward, types.FunctionType):
+                self.function(forward, f"{type(fn).__qualname__}.forward", depth + 1)
+        elif isinstance(fn, functools.partial):
+            self.callable(fn.func, where, depth + 1)
+        elif isinstance(fn, types.MethodType):
+            self.value_owner(fn.__self__, f"{where}.__self__", depth + 1)
+            self.callable(fn.__func__, where, depth + 1)
+        elif isinstance(fn, types.FunctionType):
+            self.function(fn, where, depth)
+        elif hasattr(fn, "__dict__") and not isinstance(fn, type):
+            self.attributes(fn, where, depth)
+            call = next(
+                (vars(k)["__call__"] for k in type(fn).__mro__ if "__call__" in vars(k)), None
+            )
+            if isinstance(call, types.FunctionType):
+                self.function(call, f"{type(fn).__qualname__}.__call__", depth + 1)
+
+    def value_owner(self, obj: Any, where: str, depth: int) -> None:
+        if isinstance(obj, torch.nn.Module):
+            self.callable(obj, where, depth)
+        elif (
+            hasattr(obj, "__dict__")
+            and not isinstance(obj, (type, types.ModuleType))
+            and self.first_visit(obj)
+        ):
+            self.attributes(obj, where, depth)
+
+    def function(self, fn: types.FunctionType, where: str, depth: int) -> None:
+        code = fn.__code__
+        for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell: the variable is not bound yet
+                continue
+            self.slot(
+                value,
+                *_cell_access(cell),
+                f"closure variable '{name}' of {where}",
+                depth,
+            )
+        scope = fn.__globals__
+        for name in sorted(_global_names(code)):
+            if name in scope:
+                self.slot(
+                    scope[name],
+                    *_item_access(scope, name),
+                    f"global '{name}' of {where}",
+                    depth,
+                )
+
+    def module(self, module: torch.nn.Module, where: str, depth: int) -> None:
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            path = f"{where}.{prefix}" if prefix else where
+            for store in ("_parameters", "_buffers"):
+                table = getattr(sub, store)
+                for key, value in table.items():
+                    if isinstance(value, torch.Tensor) and is_tracked(value):
+                        self.bind(
+                            value,
+                            *_item_access(table, key),
+                            f"{path}.{key}",
+                        )
+            self.attributes(sub, path, depth, modules_done=True)
+
+    def attributes(self, obj: Any, where: str, depth: int, modules_done: bool = False) -> None:
+        for key, value in list(vars(obj).items()):
+            # A module's own tables (``_parameters``, ``_modules``) are walked by `module`.
+            if key.startswith("__") or (modules_done and key.startswith("_")):
+                continue
+            if modules_done and isinstance(value, torch.nn.Module):
+                continue
+            self.slot(
+                value,
+                *_attr_access(obj, key),
+                f"attribute '{key}' of {where}",
+                depth,
+            )
+
+    def slot(
+        self,
+        value: Any,
+        get: Callable[[], Any],
+        set_: Callable[[Any], None],
+        where: str,
+        depth: int,
+    ) -> None:
+        if isinstance(value, torch.Tensor):
+            if is_tracked(value):
+                self.bind(value, get, set_, where)
+        elif isinstance(value, _PYTREE_TYPES):
+            self.container(value, get, set_, where, depth)
+        elif isinstance(value, (types.FunctionType, functools.partial, types.MethodType)):
+            self.callable(value, _name(value), depth + 1)
+        elif isinstance(value, torch.nn.Module):
+            self.callable(value, where, depth + 1)
+
+    def container(
+        self,
+        value: Any,
+        get: Callable[[], Any],
+        set_: Callable[[Any], None],
+        where: str,
+        depth: int,
+    ) -> None:
+        if not self.first_visit(value):
+            return
+        leaves = optree.tree_leaves(value, none_is_leaf=True)
+        positions = tuple(
+            i
+            for i, leaf in enumerate(leaves)
+            if isinstance(leaf, torch.Tensor) and is_tracked(leaf)
+        )
+        if positions:
+            self.bindings.add(_Slot(get, set_, where, positions), leaves)
+        for leaf in leaves:
+            if isinstance(leaf, torch.nn.Module):
+                self.callable(leaf, f"a module in {where}", depth + 1)
+
+    def bind(
+        self, value: torch.Tensor, get: Callable[[], Any], set_: Callable[[Any], None], where: str
+    ) -> None:
+        self.bindings.add(_Slot(get, set_, where, (0,)), [value])
+
+
+_Access = tuple[Callable[[], Any], Callable[[Any], None]]
+
+
+def _cell_access(cell: types.CellType) -> _Access:
+    def set_(value: Any) -> None:
+        cell.cell_contents = value
+
+    return (lambda: cell.cell_contents), set_
+
+
+def _item_access(table: dict[str, Any], key: str) -> _Access:
+    def set_(value: Any) -> None:
+        table[key] = value
+
+    return (lambda: table[key]), set_
+
+
+def _attr_access(obj: Any, key: str) -> _Access:
+    # object.__setattr__: a module's own __setattr__ would reject a non-Parameter.
+    def set_(value: Any) -> None:
+        object.__setattr__(obj, key, value)
+
+    return (lambda: getattr(obj, key)), set_
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names

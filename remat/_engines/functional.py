@@ -1,0 +1,481 @@
+"""The torch.func engine: a region as an `autograd.Function` that functorch can transform.
+
+Saved-tensor hooks are disabled under ``torch.func.grad``/``vjp``, so when any
+functorch transform is active a region runs through `_RematFunction`, an
+`autograd.Function` with ``setup_context``, ``generate_vmap_rule = True``, a
+``backward`` that recomputes ``fn`` with ``torch.func.vjp`` and a ``jvp`` that
+recomputes it with ``torch.func.jvp``.
+
+NOTE [ The functional engine ]
+1. Levels. functorch calls the Function once per active transform level, from
+   the innermost out; each level unwraps the inputs and lowers, so `forward`
+   runs once, at the bottom, on plain tensors (under a generated vmap rule, on
+   batched tensors of fresh vmap levels). It runs ``fn`` under `RecordMode` when
+   the policy looks at ops, keeping the outputs it decides to save. `backward`
+   is called by the level being differentiated, with the inputs that level saw.
+2. Closed-over tensors (NOTE [ Closed-over tensors ] in ``_closure.py``) become
+   explicit inputs, swapped into their slots while ``fn`` runs. A guard (a
+   `TorchFunctionMode` around the forward) raises `RematError` for any tensor
+   ``fn`` uses that the Function was not given: a functorch wrapper of a level
+   that is not live inside the forward, or a tensor that requires grad. Without
+   it such a tensor would silently get a zero gradient.
+3. Replay. The record and replay modes sit below autograd and below every
+   functorch layer, so every level above still records each replayed op with
+   its (recomputed) inputs: replay preserves derivatives of every order. It is
+   used in `backward` whenever the recompute runs the same physical ops as the
+   forward, i.e. whenever no forward-mode level (``jvp``, ``jacfwd``,
+   ``hessian``'s outer ``jacfwd``, eager ``forward_ad``) is active: forward-mode
+   AD computes tangents op by op, which interleaves tangent ops with the primal
+   ones. Then, and in `jvp` itself, the engine recomputes in full.
+4. Dropping the backward's graph. ``torch.func.grad`` runs its backward with
+   ``create_graph=True``, so a recompute made inside it would stay alive (a
+   graph of the whole region per region) until ``grad`` returns. The backward
+   therefore runs under ``no_grad`` (its inner ``vjp`` level still
+   differentiates) unless something may differentiate the backward itself: a
+   reverse-mode (``Grad``) level on the interpreter stack other than the one
+   whose backward this is (``grad(grad)``, ``jacrev(jacrev)``), or eager
+   autograd (a fully unwrapped input or cotangent that requires grad).
+   Forward-mode levels still see the ops under ``no_grad``.
+5. What keeps savings. Memory: ``grad``, ``vjp``, ``jacrev``, ``vmap`` of those,
+   and eager backward through ``vmap`` drop the recompute graph (rule 4); the
+   higher-order reverse compositions (``grad(grad)``, ``jacrev(jacrev)``,
+   ``create_graph``) keep it, as they must. Compute: policy-saved ops are
+   replayed, not rerun, in every composition without a forward-mode level
+   (rule 3); under ``jvp``, ``jacfwd`` and ``hessian`` the region is recomputed
+   in full. ``OFFLOAD`` decisions are kept on the device (no host offload here).
+6. ``save_last``: the most recent region records every output; when the next
+   ``save_last`` region starts its forward, the previous one releases what its
+   base policy would not have kept.
+7. Same ops in forward and recompute. Composite ops decompose by whether their
+   inputs require grad (``linear``/``matmul`` on 3-D inputs fold to ``mm`` in
+   one case and not in the other), and the forward runs with its inputs
+   unwrapped. So a recorded forward runs ``fn`` under ``torch.func.vjp`` with
+   respect to the inputs some level differentiates, and the backward's ``vjp``
+   differentiates the same inputs: both see the same physical ops, which replay
+   and its determinism check need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch.overrides import TorchFunctionMode
+
+from .._autocast import AutocastState
+from .._closure import Bindings, find_closed_over
+from .._errors import RematError
+from .._region import Region
+from .._replay import OpLog, RecordMode, ReplayMode
+from .._rng import RngState
+from .._state import recomputing
+from ..policies import Decision, Policy
+
+__all__ = ["run_functional"]
+
+_functorch = torch._C._functorch
+_GRAD = torch._C._functorch.TransformType.Grad
+_JVP = torch._C._functorch.TransformType.Jvp
+
+
+def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``region.fn(*args, **kwargs)`` so that torch.func transforms differentiate it.
+
+    Args:
+        region (Region): the function, its policy and options.
+        args (tuple): positional arguments, any pytree (non-tensor leaves pass through).
+        kwargs (dict): keyword arguments, any pytree.
+
+    Returns:
+        Any: what ``fn`` returns, with its tensors produced by the region's Function.
+
+    Raises:
+        RematError: ``fn`` uses a tensor the engine could not find and pass as an
+            input, or the recompute differs from the forward.
+    """
+    fn, args, kwargs = _unpartial(region.fn, args, kwargs)
+    policy = region.policy
+    if _keeps_everything(policy):
+        return fn(*args, **kwargs)  # nothing to recompute: same graph as without remat
+    call = _Call(region, fn, args, kwargs)
+    flat_out = _RematFunction.apply(call, *call.inputs)  # type: ignore[no-untyped-call]
+    return call.unflatten_output(flat_out)
+
+
+def _unpartial(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    # A partial's bound arguments cannot be swapped in place; make them call arguments.
+    while isinstance(fn, functools.partial):
+        args = (*fn.args, *args)
+        kwargs = {**fn.keywords, **kwargs}
+        fn = fn.func
+    return fn, args, kwargs
+
+
+def _keeps_everything(policy: Policy) -> bool:
+    if policy.needs_op_trace or policy.keeps_last_region:
+        return False
+    return policy.decision_without_ops() is not Decision.RECOMPUTE
+
+
+# ---------------------------------------------------------------------------
+# One call of a region
+# ---------------------------------------------------------------------------
+
+
+class _Call:
+    """Everything about one call that is not a tensor input of the Function."""
+
+    def __init__(
+        self, region: Region, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        self.region = region
+        self.fn = fn
+        tree: Any = (args, kwargs)
+        leaves: list[Any]
+        leaves, self.treedef = optree.tree_flatten(tree, none_is_leaf=False)
+        self.leaves = leaves
+        self.tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.bindings: Bindings = find_closed_over(fn)
+        self.inputs: tuple[torch.Tensor, ...] = (
+            *(leaves[i] for i in self.tensor_positions),
+            *self.bindings.tensors,
+        )
+        #: Inputs the backward will differentiate (NOTE rule 7).
+        self.differentiated = [i for i, t in enumerate(self.inputs) if _tracked(t)]
+        self.out_treedef: Any = None
+        self.out_leaves: list[Any] = []
+        self.out_positions: list[int] = []
+        self.log: OpLog | None = None
+        self.rng: RngState | None = None
+        self.autocast = AutocastState.capture()
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Call ``fn`` with ``tensors`` in place of the inputs; return its tensor outputs."""
+        count = len(self.tensor_positions)
+        leaves = list(self.leaves)
+        for position, tensor in zip(self.tensor_positions, tensors[:count], strict=True):
+            leaves[position] = tensor
+        args, kwargs = optree.tree_unflatten(self.treedef, leaves)
+        with self.bindings.swapped(tensors[count:]):
+            out = self.fn(*args, **kwargs)
+        out_leaves, out_treedef = optree.tree_flatten(out, none_is_leaf=False)
+        positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
+        if self.out_treedef is None:
+            self.out_treedef, self.out_leaves, self.out_positions = (
+                out_treedef,
+                out_leaves,
+                positions,
+            )
+        elif out_treedef != self.out_treedef or positions != self.out_positions:
+            raise RematError(
+                f"remat: the recompute of {self.region.label} returned a different structure "
+                f"({out_treedef}) than its forward ({self.out_treedef}). The function must "
+                "return the same pytree on every call."
+            )
+        return tuple(out_leaves[i] for i in positions)
+
+    def run_as_differentiated(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Run ``fn`` as the backward's ``vjp`` will, so both see the same aten ops."""
+        if not self.differentiated:
+            return self.run(tensors)
+
+        def primal(*moved: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            full = list(tensors)
+            for i, t in zip(self.differentiated, moved, strict=True):
+                full[i] = t
+            return self.run(full)
+
+        with torch.enable_grad():
+            out: tuple[torch.Tensor, ...] = torch.func.vjp(
+                primal, *(tensors[i] for i in self.differentiated)
+            )[0]
+        return out
+
+    def unflatten_output(self, flat: Sequence[torch.Tensor]) -> Any:
+        leaves = list(self.out_leaves)
+        for position, tensor in zip(self.out_positions, flat, strict=True):
+            leaves[position] = tensor
+        return optree.tree_unflatten(self.out_treedef, leaves)
+
+    def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The region's forward: record what the policy keeps, guard against hidden inputs."""
+        if self.region.preserve_rng_state:
+            self.rng = RngState.capture(tensors)
+        with _HiddenInputGuard(self, tensors):
+            if not self.region.policy.needs_op_trace and not self.region.policy.keeps_last_region:
+                out = self.run(tensors)
+            else:
+                self.log = _new_log(self.region)
+                with RecordMode(self.log):
+                    out = self.run_as_differentiated(tensors)
+        # autograd.Function refuses to save an input it also returns as-is: return a view.
+        given = {id(t) for t in tensors}
+        return tuple(t.view_as(t) if id(t) in given else t for t in out)
+
+    @contextlib.contextmanager
+    def recompute(self, replay: bool) -> Iterator[None]:
+        """Restore what the forward saw (RNG, autocast), replaying kept outputs if ``replay``."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(recomputing())
+            if self.rng is not None:
+                stack.enter_context(self.rng.restored())
+            stack.enter_context(self.autocast.applied())
+            if replay and self.log is not None:
+                stack.enter_context(ReplayMode(self.log, check=self.region.determinism_check))
+            yield
+
+
+# ---------------------------------------------------------------------------
+# The Function
+# ---------------------------------------------------------------------------
+
+
+class _RematFunction(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return call.forward(tensors)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        call = inputs[0]
+        ctx.call = call
+        ctx.save_for_backward(*inputs[1:])
+        ctx.save_for_forward(*inputs[1:])
+        frozen = [t for t in output if not _differentiable(t)]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        call: _Call = ctx.call
+        inputs: tuple[torch.Tensor, ...] = ctx.saved_tensors
+        wanted = [
+            i for i, t in enumerate(inputs) if ctx.needs_input_grad[i + 1] and _differentiable(t)
+        ]
+        if not wanted:
+            return (None,) * (len(inputs) + 1)
+        keep_graph = _backward_is_differentiated(inputs, grads)
+        # A level that has exited (a vjp_fn called after its vjp returned) left dead
+        # wrappers; unwrap them as functorch does for saved values of aten ops.
+        inputs = tuple(_functorch.unwrap_if_dead(t) for t in inputs)
+        with contextlib.nullcontext() if keep_graph else torch.no_grad():
+            found = _recompute_vjp(call, inputs, wanted, grads, replay=not _forward_ad_active())
+        result: list[torch.Tensor | None] = [None] * len(inputs)
+        for i, g in zip(wanted, found, strict=True):
+            result[i] = g
+        return (None, *result)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        call: _Call = ctx.call
+        inputs = tuple(_functorch.unwrap_if_dead(t) for t in ctx.saved_tensors)
+        moving = [
+            i
+            for i, (t, d) in enumerate(zip(inputs, tangents[1:], strict=True))
+            if d is not None and _differentiable(t)
+        ]
+        outputs = [i for i, p in enumerate(call.out_positions) if _is_float(call, i)]
+
+        def primal(*moved: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            full = list(inputs)
+            for i, t in zip(moving, moved, strict=True):
+                full[i] = t
+            out = call.run(full)
+            return tuple(out[i] for i in outputs)
+
+        # Forward-mode AD interleaves tangent ops with the primal ones: no replay.
+        with call.recompute(replay=False):
+            out_tangents = torch.func.jvp(
+                primal,
+                tuple(inputs[i] for i in moving),
+                tuple(tangents[i + 1] for i in moving),
+            )[1]
+        result: list[torch.Tensor | None] = [None] * len(call.out_positions)
+        for i, t in zip(outputs, out_tangents, strict=True):
+            result[i] = t
+        return tuple(result)
+
+
+def _is_float(call: _Call, index: int) -> bool:
+    leaf = call.out_leaves[call.out_positions[index]]
+    return isinstance(leaf, torch.Tensor) and _differentiable(leaf)
+
+
+def _tracked(t: torch.Tensor) -> bool:
+    """Whether some level (a functorch grad level or eager autograd) differentiates ``t``."""
+    if not _differentiable(t):
+        return False
+    while True:
+        if t.requires_grad:
+            return True
+        if not _functorch.is_functorch_wrapped_tensor(t):
+            return False
+        t = _functorch.get_unwrapped(t)
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _recompute_vjp(
+    call: _Call,
+    inputs: tuple[torch.Tensor, ...],
+    wanted: list[int],
+    grads: tuple[torch.Tensor | None, ...],
+    replay: bool,
+) -> tuple[torch.Tensor, ...]:
+    outputs = [i for i, g in enumerate(grads) if g is not None and _is_float(call, i)]
+    # Differentiate what the forward differentiated (NOTE rule 7), return what is wanted.
+    moving = sorted(set(wanted) | set(call.differentiated))
+
+    def primal(*moved: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        full = list(inputs)
+        for i, t in zip(moving, moved, strict=True):
+            full[i] = t
+        out = call.run(full)
+        return tuple(out[i] for i in outputs)
+
+    with call.recompute(replay):
+        vjp_fn = torch.func.vjp(primal, *(inputs[i] for i in moving))[1]
+    found: tuple[torch.Tensor, ...] = vjp_fn(tuple(grads[i] for i in outputs))
+    return tuple(found[moving.index(i)] for i in wanted)
+
+
+# ---------------------------------------------------------------------------
+# Levels: when the backward's graph can go, when replay is valid
+# ---------------------------------------------------------------------------
+
+
+def _backward_is_differentiated(
+    inputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...]
+) -> bool:
+    """Whether anything may differentiate this backward (NOTE rule 4).
+
+    ``inputs`` are the saved inputs as the level being differentiated saw them
+    (wrapped at that level, which may have exited already): that level is the
+    highest one they carry.
+    """
+    own = max((_functorch.maybe_get_level(t) for t in inputs), default=-1)
+    for interpreter in retrieve_all_functorch_interpreters():
+        if interpreter.key() == _GRAD and interpreter.level() != own:
+            return True
+    tensors = [t for t in (*inputs, *grads) if t is not None]
+    return any(_base(t).requires_grad for t in tensors)
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t
+
+
+def _forward_ad_active() -> bool:
+    """Whether a forward-mode level (functorch ``jvp`` or eager ``forward_ad``) is live."""
+    if any(i.key() == _JVP for i in retrieve_all_functorch_interpreters()):
+        return True
+    return bool(torch.autograd.forward_ad._current_level >= 0)
+
+
+# ---------------------------------------------------------------------------
+# Guard against tensors the Function was not given (NOTE rule 2)
+# ---------------------------------------------------------------------------
+
+
+class _HiddenInputGuard(TorchFunctionMode):
+    """Raise `RematError` when ``fn`` uses a tracked tensor that is not an input."""
+
+    def __init__(self, call: _Call, inputs: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.call = call
+        self.inputs = {id(t) for t in inputs}
+        self.live = {i.level() for i in retrieve_all_functorch_interpreters()}
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        tree: Any = (args, kwargs)
+        leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=False)
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and id(leaf) not in self.inputs:
+                self.check(leaf, func)
+        return func(*args, **kwargs)
+
+    def check(self, t: torch.Tensor, func: Any) -> None:
+        if _functorch.is_functorch_wrapped_tensor(t):
+            level = _functorch.maybe_get_level(t)
+            if level not in self.live:  # a level pushed inside the forward (NOTE rule 7)
+                self.live = {i.level() for i in retrieve_all_functorch_interpreters()}
+            if level in self.live:
+                return
+        elif not t.requires_grad:
+            return
+        name = getattr(func, "__name__", str(func))
+        raise RematError(
+            f"remat: {self.call.region.label} uses a tensor that is neither an argument "
+            f"nor found among the tensors it closes over (shape {tuple(t.shape)}, dtype "
+            f"{t.dtype}, used by {name}); under torch.func its gradient would silently "
+            "be zero. Pass the tensor as an argument of the rematerialized function "
+            "(or keep it in a closure variable, a module parameter or a global, where "
+            "remat finds it)."
+        )
+
+
+# ---------------------------------------------------------------------------
+# save_last (NOTE rule 6)
+# ---------------------------------------------------------------------------
+
+
+class _KeepAll(Policy):
+    """Keep every output, remembering the base policy's verdict for the demotion."""
+
+    uses_ops = True
+
+    def __init__(self, base: Policy) -> None:
+        self.base = base
+        self.uses_names = base.uses_names
+
+    def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+        return self.base.decide_op(op, args, kwargs) if self.base.needs_op_trace else None
+
+    def decide(self, verdict: Hashable, name: str | None) -> Decision:
+        return Decision.SAVE
+
+
+_last_log: weakref.ref[OpLog] | None = None
+
+
+def _new_log(region: Region) -> OpLog:
+    global _last_log
+    policy = region.policy
+    if not policy.keeps_last_region:
+        return OpLog(policy, region.label)
+    previous = _last_log() if _last_log is not None else None
+    if previous is not None:
+        _demote(previous, policy)
+    log = OpLog(_KeepAll(policy), region.label)
+    _last_log = weakref.ref(log)
+    return log
+
+
+def _demote(log: OpLog, policy: Policy) -> None:
+    for rec in log.records:
+        if rec.kept is None:
+            continue
+        verdict = rec.verdict if policy.needs_op_trace else policy.decide_op(None, (), {})
+        if policy.decide(verdict, None) is Decision.RECOMPUTE:
+            rec.release()

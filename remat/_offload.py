@@ -1,0 +1,511 @@
+"""Host stores: where ``OFFLOAD`` decisions send tensors, and how they come back.
+
+NOTE [ Offload: streams, events, prefetch ]
+1. Interface. A `HostStore` has four verbs: ``put(t) -> handle`` starts moving a
+   tensor off the device, ``prefetch(handle)`` starts bringing it back,
+   ``get(handle)`` returns it (ready for use on the caller's stream) and
+   ``release(handle)`` returns the host memory. ``accepts(t)`` says which
+   tensors a store takes; the engines save the others on the device.
+2. Engines never call a store directly: `offload` wraps each handle in an
+   `Offloaded` entry, shared by every consumer of the same value, which fetches
+   at most once (the result is cached while the entry lives) and releases the
+   handle right after the fetch, or when the entry dies unfetched.
+3. Prefetch order. Each store has a `_Schedule`: the entries not yet fetched,
+   sorted by production order: ``(frame serial, op index, position)`` from the engine
+   (a value can be put later than it was produced, see the eager engine's rule
+   6), else the order of puts. Backward consumes them in reverse, so fetching
+   the entry at position ``s`` first prefetches the ``prefetch_distance``
+   pending entries just before ``s``: host-to-device copies run that many
+   tensors ahead of use.
+4. `CudaHostStore`, put: the side stream ``d2h`` waits for the current stream
+   (so the copy starts after the producing op), copies into a pinned host
+   buffer, and records an event. ``record_stream(d2h)`` tells the caching
+   allocator that the device block is in use on ``d2h``: when the engine drops
+   its last reference, the block is reused only after the copy is done.
+5. `CudaHostStore`, prefetch: on the side stream ``h2d``, after waiting for the
+   put's event, a device tensor is allocated and filled from the host buffer;
+   an event marks the end of the copy. get: the consumer's stream waits for that
+   event (a GPU-side wait, the CPU never blocks) and ``record_stream(consumer)``
+   keeps the block from being reused by ``h2d`` while the consumer reads it.
+6. Host buffers are pooled by byte size and reused across steps (no
+   ``cudaHostAlloc`` per step). A released buffer goes back to the pool with
+   the last event that touched it, and is handed out again only once that event
+   has completed: a new put never overwrites data an earlier copy still reads
+   (the race behind NaN gradients in other offload implementations).
+7. Which store: the region's own (``Region.offload_store``), else the innermost
+   `use_host_store`, else a process-wide `CudaHostStore`. CPU tensors are not
+   accepted by the CUDA store, so on CPU ``OFFLOAD`` degrades to ``SAVE``.
+"""
+
+from __future__ import annotations
+
+import abc
+import bisect
+import contextlib
+import itertools
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CudaHostStore",
+    "FakeHostStore",
+    "HostStore",
+    "Offloaded",
+    "current_store",
+    "offload",
+    "use_host_store",
+]
+
+#: An opaque reference to one tensor in a store.
+Handle = int
+#: Production order of an offloaded value: (frame serial, op index, output position).
+Order = tuple[int, int, int]
+
+_serials = itertools.count()
+
+
+def next_serial() -> int:
+    """A number larger than every earlier one: engines order their frames by it."""
+    return next(_serials)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers its elements exactly once (a permuted contiguous layout)."""
+    expected = 1
+    dims = sorted((st, s) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _as_layout(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """View the start of a byte ``buffer`` with ``like``'s dtype, shape and strides."""
+    flat = buffer[: _nbytes(like)].view(like.dtype)
+    return flat.as_strided(like.shape, like.stride())
+
+
+class HostStore(abc.ABC):
+    """Where offloaded tensors live between the forward and the backward pass.
+
+    Subclasses implement `put`, `prefetch`, `get` and `release`; `accepts` says
+    which tensors they take. Stores are used through `offload`, which adds
+    prefetch ordering (NOTE rule 3) and single fetches (rule 2).
+
+    Args:
+        min_bytes (int, optional): tensors smaller than this stay where they
+            are (a copy costs more than it saves). Default: 65536.
+        prefetch_distance (int, optional): how many tensors ahead of use the
+            backward pass brings back. Default: 2.
+    """
+
+    def __init__(self, *, min_bytes: int = 1 << 16, prefetch_distance: int = 2) -> None:
+        if min_bytes < 0 or prefetch_distance < 0:
+            raise ValueError(
+                f"remat.HostStore: min_bytes and prefetch_distance must be >= 0, got "
+                f"{min_bytes} and {prefetch_distance}"
+            )
+        self.min_bytes = min_bytes
+        self.prefetch_distance = prefetch_distance
+
+    def accepts(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` can be offloaded: large enough and densely laid out."""
+        return t.numel() > 0 and _nbytes(t) >= self.min_bytes and _dense(t)
+
+    @abc.abstractmethod
+    def put(self, t: torch.Tensor) -> Handle:
+        """Start copying ``t`` to the host; the caller may drop ``t`` at once."""
+
+    @abc.abstractmethod
+    def prefetch(self, handle: Handle) -> None:
+        """Start copying the tensor back; no-op when already started."""
+
+    @abc.abstractmethod
+    def get(self, handle: Handle) -> torch.Tensor:
+        """Return the tensor, ready for use on the current stream."""
+
+    @abc.abstractmethod
+    def release(self, handle: Handle) -> None:
+        """Give the host memory back; the handle is invalid afterwards."""
+
+
+# -- entries and prefetch ordering -------------------------------------------
+
+
+class Offloaded:
+    """One offloaded value: fetched at most once, released when fetched or dead."""
+
+    __slots__ = ("__weakref__", "_finalizer", "_schedule", "_value", "handle", "seq")
+
+    def __init__(self, schedule: _Schedule, handle: Handle, seq: Order) -> None:
+        self._schedule = schedule
+        self.handle = handle
+        #: Position in production order (NOTE rule 3).
+        self.seq = seq
+        self._value: torch.Tensor | None = None
+        self._finalizer = weakref.finalize(self, schedule.drop, handle, seq)
+        self._finalizer.atexit = False  # the CUDA context may be gone at exit
+
+    def get(self) -> torch.Tensor:
+        """Return the value, fetching it (and prefetching the ones before it) once."""
+        if self._value is None:
+            self._value = self._schedule.fetch(self.handle, self.seq)
+            self._finalizer.detach()  # fetch released the handle already
+        return self._value
+
+
+class _Schedule:
+    """Production order of one store's pending entries (NOTE rule 3)."""
+
+    def __init__(self, store: HostStore) -> None:
+        self.store = store
+        self.pending: list[Order] = []  # orders put and not yet fetched, ascending
+        self.handles: dict[Order, Handle] = {}
+        self.prefetched: set[Order] = set()
+        # Forward puts on the main thread; CUDA backward unpacks on autograd's
+        # device thread, and finalizers run wherever the last reference dies,
+        # possibly inside a locked section of this very thread (a GC pass):
+        # `drop` therefore queues, and whoever holds the lock reaps the queue.
+        self.lock = threading.Lock()
+        self.dead: list[tuple[Handle, Order]] = []
+
+    def put(self, t: torch.Tensor, seq: Order) -> Offloaded:
+        handle = self.store.put(t)
+        with self.lock:
+            bisect.insort(self.pending, seq)
+            self.handles[seq] = handle
+        self.reap()
+        return Offloaded(self, handle, seq)
+
+    def fetch(self, handle: Handle, seq: Order) -> torch.Tensor:
+        with self.lock:
+            ahead = self._ahead(self._remove(seq))
+        self.reap()
+        for other in ahead:
+            self.store.prefetch(other)
+        value = self.store.get(handle)
+        self.store.release(handle)
+        return value
+
+    def drop(self, handle: Handle, seq: Order) -> None:
+        self.dead.append((handle, seq))
+        self.reap()
+
+    def reap(self) -> None:
+        """Release the handles of entries that died unfetched."""
+        if not self.lock.acquire(blocking=False):
+            return  # the holder reaps when it is done
+        try:
+            while self.dead:
+                handle, seq = self.dead.pop()
+                self._remove(seq)
+                self.store.release(handle)
+        finally:
+            self.lock.release()
+
+    def _remove(self, seq: Order) -> int:
+        """Forget ``seq``; return where it was in ``pending``."""
+        index = bisect.bisect_left(self.pending, seq)
+        if index < len(self.pending) and self.pending[index] == seq:
+            del self.pending[index]
+        self.handles.pop(seq, None)
+        self.prefetched.discard(seq)
+        return index
+
+    def _ahead(self, index: int) -> list[Handle]:
+        """Handles to prefetch now: the k pending entries produced just before ``index``."""
+        start = max(0, index - self.store.prefetch_distance)
+        ahead = [s for s in reversed(self.pending[start:index]) if s not in self.prefetched]
+        self.prefetched.update(ahead)
+        return [self.handles[s] for s in ahead]
+
+
+_schedules: weakref.WeakKeyDictionary[HostStore, _Schedule] = weakref.WeakKeyDictionary()
+_schedules_lock = threading.Lock()
+
+
+def offload(t: torch.Tensor, store: HostStore, order: Order | None = None) -> Offloaded | None:
+    """Move ``t`` into ``store``; None when the store does not take it.
+
+    The engines call this for every ``OFFLOAD`` decision and keep the returned
+    entry instead of ``t``; ``entry.get()`` brings the value back in backward.
+
+    Args:
+        t (Tensor): the value to offload (not a parameter or a region input).
+        store (HostStore): where to put it.
+        order ((int, int, int), optional): its production order,
+            ``(serial, op index, output position)`` with ``serial`` from
+            `next_serial` when the region started. Default: after everything
+            put so far.
+
+    Returns:
+        Offloaded | None: the entry, or None when ``store.accepts(t)`` is false.
+
+    Examples:
+        >>> import torch
+        >>> store = FakeHostStore(min_bytes=0)
+        >>> entry = offload(torch.arange(4.0), store)
+        >>> entry.get()
+        tensor([0., 1., 2., 3.])
+        >>> [verb for verb, _ in store.log]
+        ['put', 'get', 'release']
+    """
+    if not store.accepts(t):
+        return None
+    with _schedules_lock:
+        schedule = _schedules.get(store)
+        if schedule is None:
+            schedule = _schedules[store] = _Schedule(store)
+    return schedule.put(t, order if order is not None else (next_serial(), 0, 0))
+
+
+# -- choosing a store --------------------------------------------------------
+
+_local = threading.local()
+_default: HostStore | None = None
+
+
+@contextlib.contextmanager
+def use_host_store(store: HostStore) -> Iterator[HostStore]:
+    """Send offloaded values of regions whose forward runs inside to ``store``.
+
+    Args:
+        store (HostStore): the store, e.g. a `FakeHostStore` in tests.
+
+    Yields:
+        HostStore: ``store``.
+
+    Examples:
+        >>> import torch, remat
+        >>> store = FakeHostStore(min_bytes=0)
+        >>> f = remat.remat(lambda x, w: (x @ w).sin(), policy="offload-dots")
+        >>> x, w = torch.randn(2, 3), torch.randn(3, 3, requires_grad=True)
+        >>> with use_host_store(store):
+        ...     loss = f(x, w).sum()
+        >>> loss.backward()
+        >>> [verb for verb, _ in store.log]
+        ['put', 'get', 'release']
+    """
+    stack: list[HostStore] = _local.__dict__.setdefault("stores", [])
+    stack.append(store)
+    try:
+        yield store
+    finally:
+        stack.pop()
+
+
+def current_store(region_store: HostStore | None = None) -> HostStore:
+    """The store a region uses: its own, else the innermost `use_host_store`, else CUDA's."""
+    global _default
+    if region_store is not None:
+        return region_store
+    stack: list[HostStore] = _local.__dict__.get("stores", [])
+    if stack:
+        return stack[-1]
+    if _default is None:
+        _default = CudaHostStore()
+    return _default
+
+
+# -- CUDA --------------------------------------------------------------------
+
+
+class _PinnedPool:
+    """Pinned host buffers by byte size, handed out again once their last copy is done."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.free: dict[int, list[torch.Tensor]] = {}
+        self.busy: list[tuple[torch.Tensor, Any]] = []  # (buffer, event still running)
+        #: Buffers ever allocated (the pool's size: bounded when steps reuse them).
+        self.allocated = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        self._reclaim()
+        free = self.free.get(nbytes)
+        if free:
+            return free.pop()
+        self.allocated += 1
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    def give_back(self, buffer: torch.Tensor, event: Any = None) -> None:
+        if event is not None and not event.query():
+            self.busy.append((buffer, event))
+        else:
+            self.free.setdefault(buffer.numel(), []).append(buffer)
+
+    def _reclaim(self) -> None:
+        busy, self.busy = self.busy, []  # a reentrant give_back appends to the new list
+        for buffer, event in busy:
+            if event.query():
+                self.free.setdefault(buffer.numel(), []).append(buffer)
+            else:
+                self.busy.append((buffer, event))
+
+
+class _CudaSlot:
+    __slots__ = ("buffer", "device", "device_tensor", "event", "host")
+
+    def __init__(
+        self, buffer: torch.Tensor, host: torch.Tensor, device: torch.device, event: Any
+    ) -> None:
+        self.buffer = buffer
+        self.host = host
+        self.device = device
+        #: The last copy that touched ``buffer`` (D2H, then H2D once prefetched).
+        self.event = event
+        self.device_tensor: torch.Tensor | None = None
+
+
+class CudaHostStore(HostStore):
+    """Pinned host memory with side-stream copies and events (NOTE rules 4-6).
+
+    Accepts CUDA tensors only; it creates no stream and no buffer until the
+    first `put`, so constructing it without a GPU is fine.
+
+    Args:
+        min_bytes (int, optional): smaller tensors stay on the device. Default: 65536.
+        prefetch_distance (int, optional): tensors brought back ahead of use. Default: 2.
+
+    Examples:
+        >>> store = CudaHostStore()
+        >>> store.accepts(torch.ones(1 << 20))  # a CPU tensor: saved, not offloaded
+        False
+    """
+
+    def __init__(self, *, min_bytes: int = 1 << 16, prefetch_distance: int = 2) -> None:
+        super().__init__(min_bytes=min_bytes, prefetch_distance=prefetch_distance)
+        self.pool = _PinnedPool(pin=True)
+        self._slots: dict[Handle, _CudaSlot] = {}
+        self._streams: dict[int, tuple[Any, Any]] = {}  # device index -> (d2h, h2d)
+        self._handles = itertools.count()
+        self._lock = threading.RLock()  # a GC pass inside `put` may reap into `release`
+
+    def accepts(self, t: torch.Tensor) -> bool:
+        return t.is_cuda and super().accepts(t)
+
+    def _side_streams(self, device: torch.device) -> tuple[Any, Any]:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        streams = self._streams.get(index)
+        if streams is None:
+            streams = (torch.cuda.Stream(index), torch.cuda.Stream(index))
+            self._streams[index] = streams
+        return streams
+
+    def put(self, t: torch.Tensor) -> Handle:
+        d2h, _ = self._side_streams(t.device)
+        with self._lock:
+            buffer = self.pool.take(_nbytes(t))
+        host = _as_layout(buffer, t)
+        d2h.wait_stream(torch.cuda.current_stream(t.device))  # after the producing op
+        with torch.cuda.stream(d2h):
+            host.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(d2h)
+        t.record_stream(d2h)  # the block outlives our reference until the copy is done
+        handle = next(self._handles)
+        self._slots[handle] = _CudaSlot(buffer, host, t.device, event)
+        return handle
+
+    def prefetch(self, handle: Handle) -> None:
+        slot = self._slots.get(handle)
+        if slot is None or slot.device_tensor is not None:
+            return  # released meanwhile by another thread, or already on its way
+        host = slot.host
+        _, h2d = self._side_streams(slot.device)
+        h2d.wait_event(slot.event)  # the host data is complete
+        with torch.cuda.stream(h2d):
+            # Allocated on h2d: no wait for the consumer stream's queued work.
+            device = torch.empty_strided(
+                host.shape, host.stride(), dtype=host.dtype, device=slot.device
+            )
+            device.copy_(host, non_blocking=True)
+            slot.event = torch.cuda.Event()
+            slot.event.record(h2d)
+        slot.device_tensor = device
+
+    def get(self, handle: Handle) -> torch.Tensor:
+        self.prefetch(handle)
+        slot = self._slots[handle]
+        device = slot.device_tensor
+        assert device is not None, "this is a bug in remat, please report it"
+        consumer = torch.cuda.current_stream(device.device)
+        consumer.wait_event(slot.event)
+        device.record_stream(consumer)  # freed later from consumer's side: no early reuse
+        slot.device_tensor = None  # the caller owns it now
+        return device
+
+    def release(self, handle: Handle) -> None:
+        slot = self._slots.pop(handle)
+        with self._lock:
+            self.pool.give_back(slot.buffer, slot.event)
+
+
+# -- a store for tests -------------------------------------------------------
+
+
+class FakeHostStore(HostStore):
+    """A CPU-to-CPU store that records every call, to test the protocol without a GPU.
+
+    It accepts CPU tensors, copies them into pooled buffers on `put`, and
+    appends ``(verb, handle)`` to `log` for every call.
+
+    Args:
+        min_bytes (int, optional): smaller tensors are not taken. Default: 0.
+        prefetch_distance (int, optional): tensors fetched ahead of use. Default: 2.
+
+    Examples:
+        >>> store = FakeHostStore()
+        >>> h = store.put(torch.ones(2))
+        >>> store.get(h), store.log
+        (tensor([1., 1.]), [('put', 0), ('get', 0)])
+    """
+
+    def __init__(self, *, min_bytes: int = 0, prefetch_distance: int = 2) -> None:
+        super().__init__(min_bytes=min_bytes, prefetch_distance=prefetch_distance)
+        self.pool = _PinnedPool(pin=False)
+        self.log: list[tuple[str, Handle]] = []
+        self.live: dict[Handle, tuple[torch.Tensor, torch.Tensor]] = {}  # (buffer, view)
+        self.fetched: dict[Handle, torch.Tensor] = {}
+        self._handles = itertools.count()
+
+    def accepts(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and super().accepts(t)
+
+    def calls(self, verb: str) -> list[Handle]:
+        """The handles passed to ``verb`` ("put", "prefetch", "get", "release"), in order."""
+        return [handle for name, handle in self.log if name == verb]
+
+    def put(self, t: torch.Tensor) -> Handle:
+        handle = next(self._handles)
+        buffer = self.pool.take(_nbytes(t))
+        host = _as_layout(buffer, t)
+        host.copy_(t)
+        self.live[handle] = (buffer, host)
+        self.log.append(("put", handle))
+        return handle
+
+    def prefetch(self, handle: Handle) -> None:
+        self.log.append(("prefetch", handle))
+        if handle in self.live and handle not in self.fetched:
+            self.fetched[handle] = self.live[handle][1].clone()
+
+    def get(self, handle: Handle) -> torch.Tensor:
+        self.log.append(("get", handle))
+        value = self.fetched.pop(handle, None)
+        return value if value is not None else self.live[handle][1].clone()
+
+    def release(self, handle: Handle) -> None:
+        self.log.append(("release", handle))
+        self.fetched.pop(handle, None)
+        buffer, _ = self.live.pop(handle)
+        self.pool.give_back(buffer)

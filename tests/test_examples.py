@@ -1,0 +1,52 @@
+"""Every example runs (at small size), so none can rot."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+from types import ModuleType
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"examples_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_example_is_tested() -> None:
+    assert {p.stem for p in EXAMPLES.glob("*.py")} == {
+        "quickstart",
+        "gpt_policies",
+        "sequential_save_last",
+    }
+
+
+def test_quickstart() -> None:
+    losses = load("quickstart").main(small=True)
+    assert len(set(losses.values())) == 1
+
+
+def test_gpt_policies() -> None:
+    kept = load("gpt_policies").main(small=True)
+    assert kept["nothing-saveable"] == 0
+    assert 0 < kept["dots-no-batch-saveable"] < kept["dots-saveable"] < kept["everything-saveable"]
+
+
+def test_sequential_save_last() -> None:
+    counts = load("sequential_save_last").main(small=True)
+    assert counts == [1, 1, 1, 1, 1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("name", ["quickstart", "gpt_policies", "sequential_save_last"])
+def test_examples_have_a_main_with_small(name: str) -> None:
+    import inspect
+
+    assert "small" in inspect.signature(load(name).main).parameters

@@ -1,0 +1,335 @@
+"""Offload: the host-store protocol on CPU (fake store), and the real CUDA store."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from helpers import OpCounter, assert_close_all, grads
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+from remat import policies
+from remat._offload import CudaHostStore, FakeHostStore, offload, use_host_store
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class WatchingStore(FakeHostStore):
+    """A fake store that also watches the storage of every tensor put into it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.originals: list[StorageWeakRef] = []
+
+    def put(self, t: torch.Tensor) -> int:
+        self.originals.append(StorageWeakRef(t.untyped_storage()))
+        return super().put(t)
+
+    def by_storage(self) -> dict[int, int]:
+        return {ref.cdata: handle for handle, ref in enumerate(self.originals)}
+
+
+class DotOutputs(TorchDispatchMode):
+    """Record the storage of every matmul output, in the order the forward produced them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ == "mm":
+            self.storages.append(StorageWeakRef(out.untyped_storage()).cdata)
+        return out
+
+
+def block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    h = remat.checkpoint_name(torch.tanh(x @ w1), "hidden")
+    return torch.sin(h @ w2) + x
+
+
+def attention(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    q = x.reshape(2, 3, 4) @ w1
+    scores = torch.softmax(q @ q.transpose(-1, -2), dim=-1)
+    h = remat.checkpoint_name(torch.tanh(scores @ q), "hidden")
+    return (h.reshape(6, 4) @ w2).sin() + x
+
+
+def stack(fn: Callable[..., torch.Tensor], n: int) -> Callable[..., torch.Tensor]:
+    def run(x: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
+        for i in range(n):
+            x = fn(x, ws[2 * i], ws[2 * i + 1])
+        return x
+
+    return run
+
+
+def make_inputs(n: int, requires_grad: bool = True) -> list[torch.Tensor]:
+    x = torch.randn(6, 4, requires_grad=requires_grad)
+    return [x] + [torch.randn(4, 4, requires_grad=True) for _ in range(2 * n)]
+
+
+OFFLOAD_POLICIES = [
+    "offload-dots",
+    "offload-dots-no-batch",
+    "offload:hidden",
+    policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=["unused"], names_which_can_be_offloaded=["hidden"]
+    ),
+    "offload-dots+save:hidden",
+]
+
+
+@pytest.mark.parametrize("policy", OFFLOAD_POLICIES, ids=str)
+@pytest.mark.parametrize("fn", [block, attention], ids=lambda f: f.__name__)
+def test_gradients_match_reference(policy: Any, fn: Callable[..., torch.Tensor]) -> None:
+    inputs = make_inputs(3)
+    expected = grads(stack(fn, 3), inputs)
+    store = WatchingStore()
+    wrapped = remat.remat(fn, policy=policy)
+    with use_host_store(store):
+        out = stack(wrapped, 3)(*inputs)
+    actual = torch.autograd.grad(out.sum(), inputs)
+    assert_close_all(actual, expected)
+    assert store.calls("put"), "nothing was offloaded"
+    assert sorted(store.calls("release")) == store.calls("put")
+    assert not store.live
+
+
+def test_offload_dots_recomputes_no_dot() -> None:
+    inputs = make_inputs(2)
+    store = FakeHostStore()
+    wrapped = remat.remat(block, policy="offload-dots")
+    with use_host_store(store):
+        out = stack(wrapped, 2)(*inputs)
+    with OpCounter() as counter:
+        out.sum().backward()
+    # Backward's own matmuls: 2 per dot (grad of input and weight), 4 dots.
+    assert counter.counts["mm"] == 8
+    assert counter.counts["tanh"] == 2  # recomputed from the fetched dot, once per block
+
+
+def test_originals_released_before_backward() -> None:
+    inputs = make_inputs(4)
+    store = WatchingStore()
+    wrapped = remat.remat(block, policy="offload-dots")
+    with use_host_store(store):
+        out = stack(wrapped, 4)(*inputs)
+    gc.collect()
+    assert len(store.originals) == 8
+    assert all(ref.expired() for ref in store.originals)
+    assert not store.calls("get")
+    out.sum().backward()
+
+
+@pytest.mark.parametrize("distance", [0, 1, 2, 3])
+def test_prefetch_reverse_order_k_ahead(distance: int) -> None:
+    inputs = make_inputs(5)
+    store = WatchingStore(prefetch_distance=distance)
+    wrapped = remat.remat(block, policy="offload-dots")
+    with use_host_store(store), DotOutputs() as dots:
+        out = stack(wrapped, 5)(*inputs)
+    produced = [store.by_storage()[cdata] for cdata in dots.storages]
+    del dots
+    out.sum().backward()
+    gets = store.calls("get")
+    assert len(produced) == len(store.calls("put")) == 10
+    assert gets == produced[::-1], "fetched in reverse production order"
+    assert len(set(gets)) == len(gets), "something was fetched twice"
+    prefetches = store.calls("prefetch")
+    assert prefetches == (produced[::-1][1:] if distance else [])
+    for position, handle in enumerate(gets):
+        seen = store.log[: store.log.index(("get", handle))]
+        ahead = {h for v, h in seen if v == "prefetch"}
+        wanted = set(gets[position + 1 : position + 1 + distance])
+        assert wanted <= ahead, f"get #{position} found {wanted - ahead} not prefetched"
+
+
+def test_pool_bounded_over_steps() -> None:
+    inputs = make_inputs(4)
+    store = FakeHostStore()
+    wrapped = remat.remat(block, policy="offload-dots")
+    sizes = []
+    for _ in range(20):
+        with use_host_store(store):
+            out = stack(wrapped, 4)(*inputs)
+        out.sum().backward()
+        sizes.append(store.pool.allocated)
+    assert sizes[-1] == sizes[0] <= 8
+
+
+def test_dropped_graph_releases_everything() -> None:
+    store = FakeHostStore()
+    with use_host_store(store):
+        out = stack(remat.remat(block, policy="offload-dots"), 2)(*make_inputs(2))
+    del out
+    gc.collect()
+    assert not store.live
+    assert not store.calls("get")
+
+
+def test_cpu_offload_degrades_to_save_without_copy() -> None:
+    # The default store is CUDA's: on CPU nothing is copied, dots are kept.
+    inputs = make_inputs(2)
+    expected = grads(stack(block, 2), inputs)
+    out = stack(remat.remat(block, policy="offload-dots"), 2)(*inputs)
+    with OpCounter() as counter:
+        actual = torch.autograd.grad(out.sum(), inputs)
+    assert_close_all(actual, expected)
+    assert counter.counts["mm"] == 8
+    assert counter.counts["_to_copy"] == counter.counts["copy_"] == 0
+
+
+def test_small_tensors_stay() -> None:
+    store = FakeHostStore(min_bytes=1 << 20)
+    with use_host_store(store):
+        out = remat.remat(block, policy="offload-dots")(*make_inputs(1))
+    out.sum().backward()
+    assert store.log == []
+
+
+def test_inputs_parameters_and_outputs_never_offloaded() -> None:
+    def dots_only(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w) @ w.t()  # the last dot is the output; w.t() views a parameter
+
+    x, w = torch.randn(3, 4), torch.randn(4, 4, requires_grad=True)
+    store = WatchingStore()
+    with use_host_store(store):
+        out = remat.remat(dots_only, policy="offload-dots")(x, w)
+    assert len(store.originals) == 1  # only the inner dot
+    (g,) = torch.autograd.grad(out.sum(), [w])
+    torch.testing.assert_close(g, torch.autograd.grad(dots_only(x, w).sum(), [w])[0])
+
+
+def test_mutated_after_kept_is_not_offloaded() -> None:
+    def mutating(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        y = h * 2.0  # saves nothing of h: h is only kept by the record
+        h.add_(1.0)
+        return y.sin() + h.sum()
+
+    x, w = torch.randn(3, 4), torch.randn(4, 4, requires_grad=True)
+    store = FakeHostStore()
+    with use_host_store(store):
+        out = remat.remat(mutating, policy="offload-dots")(x, w)
+    (g,) = torch.autograd.grad(out.sum(), [w])
+    torch.testing.assert_close(g, torch.autograd.grad(mutating(x, w).sum(), [w])[0])
+    assert store.calls("put") == []
+
+
+def test_retain_graph_second_backward_fetches_once() -> None:
+    inputs = make_inputs(2)
+    store = FakeHostStore()
+    with use_host_store(store):
+        out = stack(remat.remat(block, policy="offload-dots"), 2)(*inputs)
+    first = torch.autograd.grad(out.sum(), inputs, retain_graph=True)
+    second = torch.autograd.grad(out.sum(), inputs)
+    assert_close_all(first, second)
+    assert len(store.calls("get")) == len(store.calls("put")) == 4
+
+
+def test_offload_api_for_engines() -> None:
+    store = FakeHostStore(prefetch_distance=1)
+    values = [torch.full((2,), float(i)) for i in range(3)]
+    entries = [offload(v, store) for v in values]
+    assert all(e is not None for e in entries)
+    assert entries[2] is not None and entries[1] is not None
+    torch.testing.assert_close(entries[2].get(), values[2])
+    assert entries[1].get() is entries[1].get()
+    assert store.log == [
+        ("put", 0), ("put", 1), ("put", 2),
+        ("prefetch", 1), ("get", 2), ("release", 2),
+        ("prefetch", 0), ("get", 1), ("release", 1),
+    ]
+    del entries
+    gc.collect()
+    assert store.log[-1] == ("release", 0) and not store.live
+
+
+def test_store_arguments_checked() -> None:
+    with pytest.raises(ValueError, match="min_bytes and prefetch_distance must be >= 0"):
+        FakeHostStore(prefetch_distance=-1)
+    assert not CudaHostStore().accepts(torch.ones(1 << 20))
+
+
+# -- CUDA: real copies, never faked -------------------------------------------
+
+
+def _cuda_mlp(n: int, width: int) -> tuple[list[torch.Tensor], Callable[..., torch.Tensor]]:
+    ws = [torch.randn(width, width, device="cuda", requires_grad=True) / width**0.5
+          for _ in range(2 * n)]
+
+    def mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x @ w1) @ w2 + x
+
+    return ws, mlp
+
+
+@needs_cuda
+def test_cuda_gradients_match_reference() -> None:
+    ws, mlp = _cuda_mlp(4, 512)
+    x = torch.randn(1024, 512, device="cuda", requires_grad=True)
+    expected = grads(stack(mlp, 4), [x, *ws])
+    store = CudaHostStore(min_bytes=0)
+    with use_host_store(store):
+        out = stack(remat.remat(mlp, policy="offload-dots"), 4)(x, *ws)
+    actual = torch.autograd.grad(out.sum(), [x, *ws])
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+    assert store.pool.allocated > 0
+
+
+def _peak(policy: str, ws: list[torch.Tensor], mlp: Callable[..., torch.Tensor]) -> int:
+    x = torch.randn(8192, 1024, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = stack(remat.remat(mlp, policy=policy), 8)(x, *ws)
+    out.sum().backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+@needs_cuda
+def test_cuda_offload_lowers_peak_memory() -> None:
+    ws, mlp = _cuda_mlp(8, 1024)
+    _peak("offload-dots", ws, mlp)  # warm up the pool, the streams and cuBLAS
+    saved = _peak("dots-saveable", ws, mlp)
+    offloaded = _peak("offload-dots", ws, mlp)
+    assert offloaded < saved, (offloaded, saved)
+
+
+@needs_cuda
+def test_cuda_no_nan_over_repeated_steps() -> None:
+    ws, mlp = _cuda_mlp(8, 1024)
+    x = torch.randn(4096, 1024, device="cuda", requires_grad=True)
+    reference = grads(stack(mlp, 8), [x, *ws])
+    wrapped = stack(remat.remat(mlp, policy="offload-dots"), 8)
+    store = CudaHostStore(prefetch_distance=2)
+    for _ in range(20):
+        with use_host_store(store):
+            out = wrapped(x, *ws)
+        actual = torch.autograd.grad(out.sum(), [x, *ws])
+        for a, e in zip(actual, reference, strict=True):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, e, rtol=1e-3, atol=1e-3)
+    assert store.pool.allocated <= 3 * 8  # reused across steps
+
+
+def test_region_store_wins_over_context() -> None:
+    from remat._engines.hooks import run_eager
+    from remat._region import Region
+
+    own, ambient = FakeHostStore(), FakeHostStore()
+    region = Region(fn=block, policy=policies.offload_dots, offload_store=own)
+    inputs = make_inputs(1)
+    with use_host_store(ambient):
+        out = run_eager(region, tuple(inputs), {})
+    (g,) = torch.autograd.grad(out.sum(), [inputs[1]])
+    torch.testing.assert_close(g, torch.autograd.grad(block(*inputs).sum(), [inputs[1]])[0])
+    assert len(own.calls("get")) == 2 and ambient.log == []
