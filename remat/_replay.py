@@ -17,7 +17,7 @@ NOTE [ Record and replay ]
    random stream for every later op. In-place ops are never kept either: their
    output is their input.
 5. Dead ops are not run. Each record knows which earlier records produced its
-   inputs. Before a recompute, `OpLog.liveness` walks back from the records
+   inputs, and the log knows which inner regions ran inside it. Before a recompute, `OpLog.liveness` walks back from the records
    whose outputs backward needs: an op is live when a live op reads it, and a
    replayed op needs none of its inputs. A dead op returns an uninitialized
    tensor of the right shape and strides instead of running (nothing live
@@ -144,6 +144,8 @@ class OpLog:
         self.label = label
         self.serial = next(_serials)
         self.records: list[OpRecord] = []
+        #: Regions that ran inside this one: (first op, end op, producers of their inputs).
+        self.regions: list[tuple[int, int, tuple[int, ...]]] = []
 
     def record(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         index = len(self.records)
@@ -186,13 +188,26 @@ class OpLog:
         live = [rec.always_live for rec in self.records]
         for index in needed:
             live[index] = True
+        regions = sorted(self.regions, reverse=True)
         for index in range(len(self.records) - 1, -1, -1):
             rec = self.records[index]
-            if not live[index] or rec.fully_replayable():
-                continue  # a replayed op needs none of its inputs
-            for producer in rec.inputs:
-                live[producer] = True
+            if live[index] and not rec.fully_replayable():  # replayed: needs no input
+                for producer in rec.inputs:
+                    live[producer] = True
+            while regions and regions[0][0] >= index:
+                start, end, producers = regions.pop(0)
+                # An inner region runs as a region of its own in the recompute and
+                # may recompute from its inputs later (NOTE [ The eager engine ]
+                # rule 4): when anything in it is live, its inputs are too.
+                if any(live[start:end]):
+                    for producer in producers:
+                        live[producer] = True
         return live
+
+    def inner_region(self, inputs: list[torch.Tensor], start: int) -> None:
+        """Note that a region with these inputs ran its ops from ``start`` to now."""
+        producers = self._producers(tuple(inputs), {})
+        self.regions.append((start, len(self.records), producers))
 
     def lookup(self, tensor: torch.Tensor) -> tuple[OpRecord, int] | None:
         """The record and output position that produced ``tensor`` in this log, if any."""

@@ -262,6 +262,22 @@ def test_nested_regions_match_reference(inner_policy: str, outer_policy: str) ->
                      grads(lambda x, w: body(body(x, w), w), (x, w)))
 
 
+def test_dead_code_elimination_keeps_the_inputs_of_inner_regions() -> None:
+    # The outer recompute replays the named value and would skip the matmul
+    # before it, but the inner region recomputes later from its own input.
+    inner = remat.remat(lambda h, w: remat.checkpoint_name(h * 1.5, "a").t() @ w)
+
+    def body(h, w):  # type: ignore[no-untyped-def]
+        return inner(h @ w, w) @ w
+
+    def plain(h, w):  # type: ignore[no-untyped-def]
+        return (((h @ w) * 1.5).t() @ w) @ w
+
+    x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    assert_close_all(grads(remat.remat(body, policy="save:a"), (x, w)), grads(plain, (x, w)))
+
+
 def test_nested_inner_region_recomputes_inside_outer_recompute() -> None:
     calls = []
 

@@ -451,7 +451,7 @@ def run_eager(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         return fn(*args, **kwargs)  # inference: nothing will be saved
     top = local.frames[-1] if local.frames else None
     if top is not None and top.phase == "forward":
-        return fn(*args, **kwargs)  # the outer region decides (NOTE rule 4)
+        return _run_inside(top, fn, args, kwargs)  # the outer region decides (NOTE rule 4)
     policy = region.policy
     if _keeps_everything(region):
         with _pushed(_KEEP_EVERYTHING):  # autograd as usual; inner regions run plainly
@@ -462,6 +462,18 @@ def run_eager(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     elif policy.keeps_last_region:
         _demote_previous(frame)
     return frame.run_forward()
+
+
+def _run_inside(
+    outer: _Frame | _KeepEverything, fn: Callable[..., Any], args: Any, kwargs: Any
+) -> Any:
+    log = getattr(outer, "log", None)
+    if log is None:
+        return fn(*args, **kwargs)
+    start = len(log.records)
+    out = fn(*args, **kwargs)
+    log.inner_region(tensor_leaves((args, kwargs)), start)
+    return out
 
 
 def _keeps_everything(region: Region) -> bool:
