@@ -2,8 +2,9 @@
 
 For every variant it prints the peak bytes of one training step, the bytes held
 for backward after the forward, how many ops the backward recomputes, the step
-time as a ratio to no remat (median of interleaved repetitions in this run),
-and whether the gradients match no remat's.
+time as a ratio to no remat and to ``torch.utils.checkpoint`` (medians of
+interleaved repetitions in this run), and whether the gradients match no
+remat's.
 
 Memory is counted exactly by `remat._memory.MemoryMeter` (tensor storages;
 parameters and the input are the baseline, not counted). "Recomputed ops" is
@@ -45,6 +46,8 @@ VARIANTS: tuple[tuple[str, str], ...] = (
     )),
 )
 
+_CHECKPOINT = "torch checkpoint"
+
 #: Largest gradient difference from no remat that still counts as a match.
 GRAD_TOLERANCE = 1e-5
 
@@ -59,6 +62,8 @@ class Row:
     recomputed_ops: int
     time_ratio: float
     grad_diff: float
+    #: Step time relative to ``torch.utils.checkpoint`` in the same run (nan without it).
+    checkpoint_ratio: float = float("nan")
 
     @property
     def grads_match(self) -> bool:
@@ -118,6 +123,7 @@ def run(
             times[label].append(_step_seconds(model, x, how))
     ref = variants[0][0]
     ref_time = statistics.median(times[ref])
+    ckpt_time = statistics.median(times[_CHECKPOINT]) if _CHECKPOINT in times else float("nan")
     return [
         Row(
             label=label,
@@ -125,6 +131,7 @@ def run(
             held_bytes=memory[label].held_bytes,
             recomputed_ops=ops[label] - ops[ref],
             time_ratio=statistics.median(times[label]) / ref_time,
+            checkpoint_ratio=statistics.median(times[label]) / ckpt_time,
             grad_diff=max(
                 (a - b).abs().max().item() for a, b in zip(grads[label], grads[ref], strict=True)
             ),
@@ -137,23 +144,23 @@ def format_table(rows: Sequence[Row]) -> str:
     """Format rows as a Markdown table.
 
     Examples:
-        >>> print(format_table([Row("no remat", 2048, 1024, 0, 1.0, 0.0)]))
-        | policy   | peak bytes | held bytes | recomputed ops | time vs no remat | grads match |
-        |----------|------------|------------|----------------|------------------|-------------|
-        | no remat |      2,048 |      1,024 |              0 |            1.00x | yes         |
+        >>> table = format_table([Row("no remat", 2048, 1024, 0, 1.0, 0.0, 0.5)])
+        >>> [cell.strip() for cell in table.splitlines()[2].split("|")[1:-1]]
+        ['no remat', '2,048', '1,024', '0', '1.00x', '0.50x', 'yes']
     """
     header = ("policy", "peak bytes", "held bytes", "recomputed ops", "time vs no remat",
-              "grads match")
+              "vs torch checkpoint", "grads match")
     cells = [header] + [
         (r.label, f"{r.peak_bytes:,}", f"{r.held_bytes:,}", f"{r.recomputed_ops:,}",
-         f"{r.time_ratio:.2f}x", "yes" if r.grads_match else f"NO ({r.grad_diff:.1e})")
+         f"{r.time_ratio:.2f}x", f"{r.checkpoint_ratio:.2f}x",
+         "yes" if r.grads_match else f"NO ({r.grad_diff:.1e})")
         for r in rows
     ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
 
     def line(row: Sequence[str]) -> str:
         # Text columns left-aligned, numbers right-aligned.
-        parts = [c.ljust(w) if i in (0, 5) else c.rjust(w)
+        parts = [c.ljust(w) if i in (0, 6) else c.rjust(w)
                  for i, (c, w) in enumerate(zip(row, widths, strict=True))]
         return "| " + " | ".join(parts) + " |"
 

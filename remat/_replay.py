@@ -17,15 +17,18 @@ NOTE [ Record and replay ]
    random stream for every later op. In-place ops are never kept either: their
    output is their input.
 5. Dead ops are not run. Each record knows which earlier records produced its
-   inputs, and the log knows which inner regions ran inside it. Before a recompute, `OpLog.liveness` walks back from the records
-   whose outputs backward needs: an op is live when a live op reads it, and a
-   replayed op needs none of its inputs. A dead op returns an uninitialized
-   tensor of the right shape and strides instead of running (nothing live
-   reads it). Ops that must run whatever reads them are always live: random
-   ops (the random stream), in-place and ``out=`` ops (they write through
-   views the data flow does not follow) and ops whose result Python may read
-   (``item()``, ``nonzero`` and every op tagged data-dependent). View ops always
-   run: they cost nothing and need no live input.
+   inputs, and the log knows which inner regions ran inside it. Before a
+   recompute, `OpLog.liveness` walks back from the records whose outputs
+   backward needs: an op is live when a live op reads it, and a replayed op
+   needs none of its inputs. An inner region with anything live in it is live
+   whole, inputs included: it runs as a region of its own in the recompute,
+   keeps what its policy saves and may recompute from its inputs later. A dead
+   op returns a NaN-filled tensor of the right shape and strides instead of
+   running. Ops that must run whatever reads them are always live: random ops
+   (the random stream), in-place and ``out=`` ops (they write through views the
+   data flow does not follow) and ops whose result Python may read (``item()``,
+   ``nonzero`` and every op tagged data-dependent). View ops always run: they
+   cost nothing and need no live input.
 """
 
 from __future__ import annotations
@@ -196,13 +199,22 @@ class OpLog:
                     live[producer] = True
             while regions and regions[0][0] >= index:
                 start, end, producers = regions.pop(0)
-                # An inner region runs as a region of its own in the recompute and
-                # may recompute from its inputs later (NOTE [ The eager engine ]
-                # rule 4): when anything in it is live, its inputs are too.
                 if any(live[start:end]):
-                    for producer in producers:
-                        live[producer] = True
+                    self._revive(live, start, end, producers)
         return live
+
+    def _revive(self, live: list[bool], start: int, end: int, producers: tuple[int, ...]) -> None:
+        # An inner region runs as a region of its own in the recompute: it keeps
+        # what its policy saves from the ops it sees and may recompute from its
+        # inputs later (NOTE [ The eager engine ] rule 4). No stand-in may reach
+        # it: when anything in it is live, all of it and its inputs are.
+        for index in range(start, end):
+            live[index] = True
+            if not self.records[index].fully_replayable():
+                for producer in self.records[index].inputs:
+                    live[producer] = True
+        for producer in producers:
+            live[producer] = True
 
     def inner_region(self, inputs: list[torch.Tensor], start: int) -> None:
         """Note that a region with these inputs ran its ops from ``start`` to now."""
@@ -378,9 +390,19 @@ class ReplayMode(TorchDispatchMode):
 
 
 def _stand_in(meta: tuple[Any, ...]) -> torch.Tensor:
-    # An uninitialized tensor shaped like a dead op's output: nothing live reads it.
+    """A tensor shaped like a dead op's output; nothing live reads it.
+
+    Filled with NaN (or the largest integer) rather than left uninitialized: if
+    Python ever reads one without dispatching an op (``tolist()``, ``numpy()``),
+    the result is loudly wrong, never plausibly wrong.
+    """
     shape, stride, dtype, device = meta
-    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    if dtype.is_floating_point or dtype.is_complex:
+        t.fill_(float("nan"))
+    elif dtype != torch.bool:
+        t.fill_(torch.iinfo(dtype).max)
+    return t
 
 
 def _rebuild(func: Any, tensors: list[torch.Tensor]) -> Any:

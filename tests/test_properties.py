@@ -99,6 +99,9 @@ def test_random_programs_match_reference(
 # from its own inputs later) was replaced by a stand-in in the outer recompute.
 @example(outer=["bmm"], inner=["name_a", "bmm"], outer_policy="save:a",
          inner_policy="nothing-saveable")
+# ...and one whose inner region kept (as a saved dot) a stand-in the outer replay gave it.
+@example(outer=["bmm"], inner=["bmm", "name_a", "bmm"], outer_policy="save:a",
+         inner_policy="dots-saveable")
 @given(
     outer=st.lists(st.sampled_from(sorted(STEPS)), min_size=1, max_size=3),
     inner=programs,
