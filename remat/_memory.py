@@ -109,7 +109,7 @@ class MemoryMeter(TorchDispatchMode):
                 buffers and their ``.grad``).
         """
         for t in _tensors(tree):
-            self._track(t.untyped_storage(), baseline=True)
+            self._track_tensor(t, baseline=True)
 
     # -- dispatch --------------------------------------------------------------
 
@@ -124,11 +124,16 @@ class MemoryMeter(TorchDispatchMode):
         # Inputs first: a storage an op reads that we have never seen existed
         # before the meter (a parameter, a closed-over tensor) - the baseline.
         for t in _tensors((args, kwargs)):
-            self._track(t.untyped_storage(), baseline=True)
+            self._track_tensor(t, baseline=True)
         out = func(*args, **kwargs)
         for t in _tensors(out):
-            self._track(t.untyped_storage(), baseline=False)
+            self._track_tensor(t, baseline=False)
         return out
+
+    def _track_tensor(self, t: torch.Tensor, baseline: bool) -> None:
+        # Forward-mode AD's zero tangents (`_efficientzerotensor`) own no memory.
+        if not t._is_zerotensor():
+            self._track(t.untyped_storage(), baseline)
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
         super().__exit__(exc_type, exc_value, traceback)  # type: ignore[no-untyped-call]

@@ -26,6 +26,8 @@ def test_every_example_is_tested() -> None:
         "quickstart",
         "gpt_policies",
         "sequential_save_last",
+        "per_example_grads",
+        "flow_divergence",
     }
 
 
@@ -45,7 +47,24 @@ def test_sequential_save_last() -> None:
     assert counts == [1, 1, 1, 1, 1, 1, 0, 0]
 
 
-@pytest.mark.parametrize("name", ["quickstart", "gpt_policies", "sequential_save_last"])
+def test_per_example_grads() -> None:
+    result = load("per_example_grads").main(small=True)
+    assert result["peak"]["nothing-saveable"] < result["peak"]["none"]
+    assert all(d <= 1e-5 for d in result["max_abs_diff"].values())
+    assert "saved tensor hooks" in result["torch_checkpoint_error"]
+
+
+def test_flow_divergence() -> None:
+    result = load("flow_divergence").main(small=True)
+    assert result["peak"]["nothing-saveable"] < result["peak"]["none"]
+    assert all(d <= 1e-5 for d in result["max_abs_diff"].values())
+    assert "saved tensor hooks" in result["torch_checkpoint_error"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["quickstart", "gpt_policies", "sequential_save_last", "per_example_grads", "flow_divergence"],
+)
 def test_examples_have_a_main_with_small(name: str) -> None:
     import inspect
 

@@ -173,3 +173,11 @@ def test_save_last_peak_at_most_nothing_saveable(reports: dict[str, MemoryReport
 def test_everything_saveable_holds_what_no_remat_holds(reports: dict[str, MemoryReport]) -> None:
     assert reports["everything-saveable"].held_bytes == reports[demo.NO_REMAT].held_bytes
     assert reports["everything-saveable"].peak_bytes == reports[demo.NO_REMAT].peak_bytes
+
+
+def test_meter_ignores_forward_mode_zero_tangents() -> None:
+    # jvp makes zero tangents that own no storage (aten._efficientzerotensor).
+    w, x, v = torch.randn(4, 4), torch.randn(4), torch.randn(4)
+    with MemoryMeter() as meter:
+        torch.func.jvp(lambda x: x @ w, (x,), (v,))
+    assert meter.peak > 0
