@@ -17,7 +17,7 @@ from ._pytree import tensor_leaves
 from ._region import Region, describe_callable
 from ._state import local
 
-__all__ = ["checkpoint", "checkpoint_name", "remat"]
+__all__ = ["call_region", "checkpoint", "checkpoint_name", "make_region", "remat"]
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -138,41 +138,11 @@ def remat(
 checkpoint = remat
 
 
-def _make_wrapper(
-    fn: F,
-    *,
-    policy: Any,
-    static_argnums: int | Sequence[int],
-    static_argnames: str | Sequence[str],
-    preserve_rng_state: bool,
-    determinism_check: bool,
-    debug: bool,
-    engine: str,
-    offload_store: HostStore | None,
-) -> F:
-    if engine not in _ENGINES:
-        raise ValueError(f"remat.remat: engine must be one of {_ENGINES}, got {engine!r}")
-    if offload_store is not None and not isinstance(offload_store, HostStore):
-        raise TypeError(
-            f"remat.remat: offload_store must be a HostStore or None, got {offload_store!r}"
-        )
-    argnums = _normalize(static_argnums, int, "static_argnums")
-    argnames = _normalize(static_argnames, str, "static_argnames")
-    _check_static(fn, argnums, argnames)
-    region = Region(
-        fn=fn,
-        policy=policies.resolve(policy),
-        preserve_rng_state=bool(preserve_rng_state),
-        determinism_check=bool(determinism_check),
-        debug=bool(debug) or os.environ.get("REMAT_DEBUG", "") not in ("", "0"),
-        label=describe_callable(fn),
-        static_argnums=frozenset(argnums),
-        static_argnames=frozenset(argnames),
-        offload_store=offload_store,
-    )
+def _make_wrapper(fn: F, **options: Any) -> F:
+    region = make_region(fn, **options)
 
     def rematerialized(*args: Any, **kwargs: Any) -> Any:
-        return _call(region, engine, args, kwargs)
+        return call_region(region, args, kwargs)
 
     if isinstance(fn, torch.nn.Module):
         functools.update_wrapper(rematerialized, type(fn).forward, updated=())
@@ -182,18 +152,51 @@ def _make_wrapper(
     return rematerialized  # type: ignore[return-value]
 
 
-def _call(
-    region: Region,
+def make_region(
+    fn: Callable[..., Any],
+    *,
+    policy: Any,
+    static_argnums: int | Sequence[int],
+    static_argnames: str | Sequence[str],
+    preserve_rng_state: bool,
+    determinism_check: bool,
+    debug: bool,
     engine: str,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
+    offload_store: HostStore | None,
+) -> Region:
+    """Validate `remat.remat`'s options for ``fn`` and bundle them as a `Region`."""
+    if engine not in _ENGINES:
+        raise ValueError(f"remat.remat: engine must be one of {_ENGINES}, got {engine!r}")
+    if offload_store is not None and not isinstance(offload_store, HostStore):
+        raise TypeError(
+            f"remat.remat: offload_store must be a HostStore or None, got {offload_store!r}"
+        )
+    argnums = _normalize(static_argnums, int, "static_argnums")
+    argnames = _normalize(static_argnames, str, "static_argnames")
+    _check_static(fn, argnums, argnames)
+    return Region(
+        fn=fn,
+        policy=policies.resolve(policy),
+        preserve_rng_state=bool(preserve_rng_state),
+        determinism_check=bool(determinism_check),
+        debug=bool(debug) or os.environ.get("REMAT_DEBUG", "") not in ("", "0"),
+        label=describe_callable(fn),
+        static_argnums=frozenset(argnums),
+        static_argnames=frozenset(argnames),
+        offload_store=offload_store,
+        engine=engine,
+    )
+
+
+def call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run one call of ``region`` on the engine it asks for (or the one the context needs)."""
     for i in region.static_argnums:
         if not -len(args) <= i < len(args):
             raise ValueError(
                 f"remat.remat: static_argnums contains {i}, but {region.label} was called "
                 f"with {len(args)} positional arguments"
             )
+    engine = region.engine
     if engine == "functional" or (engine == "auto" and _transform_active()):
         from ._engines.functional import run_functional
 

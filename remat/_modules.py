@@ -33,6 +33,7 @@ NOTE [ Wrapped modules ]
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import types
 import weakref
@@ -42,7 +43,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from . import policies
-from ._api import remat
+from ._api import call_region, make_region, remat
 from ._module_state import _state_frozen
 
 __all__ = [
@@ -81,6 +82,22 @@ class _Forward:
             return forward(*args, **kwargs)
 
 
+def _unset(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("remat: a wrapped module's region ran without its forward; a bug")
+
+
+#: `remat.remat`'s defaults, for options `wrap` was not given.
+_OPTIONS: dict[str, Any] = {
+    "static_argnums": (),
+    "static_argnames": (),
+    "preserve_rng_state": True,
+    "determinism_check": True,
+    "debug": False,
+    "engine": "auto",
+    "offload_store": None,
+}
+
+
 class _RematForward:
     """The instance attribute ``forward`` of a wrapped module (NOTE rule 1)."""
 
@@ -96,13 +113,18 @@ class _RematForward:
         self.original = original
         self.policy = policy
         self.options = options
+        # Validated once, here, against the real forward (its signature and source
+        # line); each call only swaps in a fresh `_Forward`.
+        bound = _bound_forward(module, original)
+        region = make_region(bound, policy=policy, **_OPTIONS | options)
+        self.region = dataclasses.replace(region, fn=_unset)
         self.__signature__ = inspect.signature(_bound_forward(module, original))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module_ref()
         assert module is not None, "this is a bug in remat, please report it"
-        region = remat(_Forward(module, self.original), policy=self.policy, **self.options)
-        return region(*args, **kwargs)
+        region = dataclasses.replace(self.region, fn=_Forward(module, self.original))
+        return call_region(region, args, kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _RematForward:
         # ``copy.deepcopy(model)`` registers the new module in ``memo`` before
@@ -175,8 +197,6 @@ def wrap(module: M, /, *, policy: Any = "nothing-saveable", **remat_options: Any
         raise TypeError(f"remat.wrap: expected an nn.Module, got {type(module).__name__}")
     current = module.__dict__.get("forward")
     original = current.original if isinstance(current, _RematForward) else current
-    # Validate the options now, against the real forward, rather than at first call.
-    remat(_bound_forward(module, original), policy=policy, **remat_options)
     resolved = policies.resolve(policy)
     module.forward = _RematForward(module, original, resolved, dict(remat_options))
     return module

@@ -7,6 +7,8 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .policies import Policy
 
 if TYPE_CHECKING:
@@ -35,12 +37,14 @@ class Region:
     static_argnames: frozenset[str] = frozenset()
     #: Where ``OFFLOAD`` decisions send values; None: the current store (see ``_offload``).
     offload_store: HostStore | None = None
+    #: "auto" (the torch.func engine under a transform, else eager), "eager" or "functional".
+    engine: str = "auto"
 
 
 def describe_callable(fn: Callable[..., Any]) -> str:
     """Return "qualname (file:line)" for ``fn``, as error messages name a region."""
     target: Any = fn
-    if isinstance(fn, __import__("torch").nn.Module):
+    if isinstance(fn, torch.nn.Module):
         target = type(fn).forward
         name = type(fn).__qualname__ + ".forward"
     else:
