@@ -13,13 +13,20 @@ NOTE [ Closed-over tensors ]
    the tensors as explicit inputs and, while ``fn`` runs, writes the Function's
    view of each one back into its slot (`Bindings.swapped`).
 3. What we walk: ``functools.partial`` (its function), bound methods (``__self__``
-   and ``__func__``), functions (closure cells and the globals their code, and
-   code nested in it, names), ``nn.Module``s (every parameter, buffer and plain
-   tensor attribute of every submodule, and the code of ``forward``), and other
-   callable objects (their attributes and ``__call__``). Anything else (a tensor
-   inside an arbitrary object's list attribute, a tensor reached through a
-   function call's return value) is not found; the engine's guard then raises
-   `RematError` instead of returning a wrong gradient.
+   and ``__func__``), functions (closure cells, default arguments, and the
+   globals their code, and code nested in it, names), ``nn.Module``s (every
+   parameter, buffer and plain tensor attribute of every submodule, and the code
+   of ``forward``), other callable objects (their attributes and ``__call__``),
+   and, up to a depth, plain objects and containers held in any of those (an
+   attribute of an attribute, an object in a list). Anything else (a tensor in a
+   ``__slots__`` object, a tensor reached through a function call's return value)
+   is not found; the engine's guard then raises `RematError` instead of returning
+   a wrong gradient.
+4. Snapshot. Each slot remembers its value at the call (the leaves and structure
+   of a container, untracked leaves included); while ``fn`` is recomputed the
+   slot holds that snapshot with the Function's inputs swapped in, so a list
+   appended to or a variable rebound between forward and backward does not
+   change what the recompute computes.
 """
 
 from __future__ import annotations
@@ -52,8 +59,13 @@ class _Slot:
     get: Callable[[], Any]
     set: Callable[[Any], None]
     where: str
-    #: Positions of the tracked tensor leaves in ``optree.tree_flatten(get())``.
+    #: Positions of the tracked tensor leaves in ``leaves``.
     positions: tuple[int, ...]
+    #: The slot's value as the call saw it (``optree.tree_flatten(get())`` then): a
+    #: container mutated or a variable rebound after the call does not change what
+    #: the recompute sees.
+    leaves: list[Any]
+    treedef: Any
 
 
 @dataclasses.dataclass
@@ -83,12 +95,11 @@ class Bindings:
         saved = []
         try:
             for slot, indices in self._slots:
-                old = slot.get()
-                saved.append((slot, old))
-                leaves, treedef = optree.tree_flatten(old, none_is_leaf=True)
+                saved.append((slot, slot.get()))
+                leaves = list(slot.leaves)
                 for position, index in zip(slot.positions, indices, strict=True):
                     leaves[position] = replacements[index]
-                slot.set(optree.tree_unflatten(treedef, leaves))
+                slot.set(optree.tree_unflatten(slot.treedef, leaves))
             yield
         finally:
             for slot, old in reversed(saved):
@@ -145,11 +156,15 @@ class _Walker:
                 self.function(call, f"{type(fn).__qualname__}.__call__", depth + 1)
 
     def value_owner(self, obj: Any, where: str, depth: int) -> None:
+        """Walk an object that may hold tensors in its attributes (or attributes of those)."""
         if isinstance(obj, torch.nn.Module):
             self.callable(obj, where, depth)
+        elif isinstance(obj, (types.FunctionType, functools.partial, types.MethodType)):
+            self.callable(obj, _name(obj), depth)
         elif (
-            hasattr(obj, "__dict__")
-            and not isinstance(obj, (type, types.ModuleType))
+            depth <= _MAX_DEPTH
+            and hasattr(obj, "__dict__")
+            and not isinstance(obj, (type, types.ModuleType, torch.Tensor))
             and self.first_visit(obj)
         ):
             self.attributes(obj, where, depth)
@@ -165,6 +180,21 @@ class _Walker:
                 value,
                 *_cell_access(cell),
                 f"closure variable '{name}' of {where}",
+                depth,
+            )
+        # Default values (``lambda h, w=w: ...``, the usual cure for late binding).
+        if fn.__defaults__:
+            self.slot(
+                fn.__defaults__,
+                *_attr_access(fn, "__defaults__"),
+                f"default arguments of {where}",
+                depth,
+            )
+        if fn.__kwdefaults__:
+            self.slot(
+                fn.__kwdefaults__,
+                *_attr_access(fn, "__kwdefaults__"),
+                f"keyword defaults of {where}",
                 depth,
             )
         scope = fn.__globals__
@@ -222,6 +252,8 @@ class _Walker:
             self.callable(value, _name(value), depth + 1)
         elif isinstance(value, torch.nn.Module):
             self.callable(value, where, depth + 1)
+        else:
+            self.value_owner(value, where, depth + 1)
 
     def container(
         self,
@@ -233,22 +265,25 @@ class _Walker:
     ) -> None:
         if not self.first_visit(value):
             return
-        leaves = optree.tree_leaves(value, none_is_leaf=True)
+        leaves, treedef = optree.tree_flatten(value, none_is_leaf=True)
         positions = tuple(
             i
             for i, leaf in enumerate(leaves)
             if isinstance(leaf, torch.Tensor) and is_tracked(leaf)
         )
         if positions:
-            self.bindings.add(_Slot(get, set_, where, positions), leaves)
+            self.bindings.add(_Slot(get, set_, where, positions, leaves, treedef), leaves)
         for leaf in leaves:
-            if isinstance(leaf, torch.nn.Module):
-                self.callable(leaf, f"a module in {where}", depth + 1)
+            if not isinstance(leaf, torch.Tensor):
+                self.value_owner(leaf, f"an element of {where}", depth + 1)
 
     def bind(
         self, value: torch.Tensor, get: Callable[[], Any], set_: Callable[[Any], None], where: str
     ) -> None:
-        self.bindings.add(_Slot(get, set_, where, (0,)), [value])
+        tree: Any = value
+        leaves: list[Any]
+        leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
+        self.bindings.add(_Slot(get, set_, where, (0,), leaves, treedef), leaves)
 
 
 _Access = tuple[Callable[[], Any], Callable[[Any], None]]

@@ -130,7 +130,9 @@ def test_bound_method_of_module() -> None:
 
 
 class _Holder:
-    """Hides tensors where the finder does not look (a method's return value)."""
+    """Hides tensors where the finder does not look (a ``__slots__`` object)."""
+
+    __slots__ = ("store",)
 
     def __init__(self) -> None:
         self.store: dict[str, Any] = {}
@@ -139,20 +141,89 @@ class _Holder:
         return self.store["w"]  # type: ignore[no-any-return]
 
 
-def test_hidden_tensor_raises_instead_of_zeros() -> None:
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable", "save-last"])
+def test_hidden_tensor_raises_instead_of_zeros(policy: str) -> None:
+    # Under a recording policy the forward pushes its own vjp level, numbered like
+    # the outer grad level: the guard must still see the outer wrapper as hidden.
     holder = _Holder()
-    wrapped = remat.remat(lambda x: _loss(x, _HOLDER_REF[0].weight()))
+    wrapped = remat.remat(lambda x: _loss(x, _HOLDER_REF[0].weight()), policy=policy)
     _HOLDER_REF[:] = [holder]
 
-    def outer(w: torch.Tensor) -> torch.Tensor:
+    def outer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         holder.store["w"] = w
-        return wrapped(X)
+        return wrapped(x)
 
+    w = torch.randn(4, 4, dtype=torch.float64)
     with pytest.raises(remat.RematError, match=r"uses a tensor that is neither an argument"):
-        grad(outer)(torch.randn(4, 4, dtype=torch.float64))
+        grad(outer)(X, w)  # x only: the hidden w is a wrapper of the same level
+    with pytest.raises(remat.RematError, match=r"uses a tensor that is neither an argument"):
+        grad(outer, argnums=(0, 1))(X, w)
 
 
 _HOLDER_REF: list[Any] = []
+
+
+class _Inner:
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w = w
+
+
+class _Outer:
+    def __init__(self, w: torch.Tensor) -> None:
+        self.inner = _Inner(w)
+        self.cfg = {"k": [_Inner(w.cos())]}
+
+    def f(self, x: torch.Tensor) -> torch.Tensor:
+        return _loss(x, self.inner.w) + _loss(x, self.cfg["k"][0].w)
+
+
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable", "save-last"])
+def test_attributes_of_attributes(policy: str) -> None:
+    # Was: RematError under nothing-saveable, silently wrong under dots-saveable.
+    def run(w: torch.Tensor, use: bool) -> torch.Tensor:
+        o = _Outer(w)
+        return (remat.remat(o.f, policy=policy) if use else o.f)(X)
+
+    w = torch.randn(4, 4, dtype=torch.float64)
+    torch.testing.assert_close(grad(lambda w: run(w, True))(w), grad(lambda w: run(w, False))(w))
+
+
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable"])
+def test_default_arguments_in_a_loop(policy: str) -> None:
+    # ``lambda h, w=w:`` is the usual fix for late binding; the default is an input.
+    def run(ws: list[torch.Tensor], use: bool) -> torch.Tensor:
+        h = X
+        for w in ws:
+            f = lambda h, w=w: torch.tanh(h @ w)  # noqa: E731
+            h = (remat.remat(f, policy=policy) if use else f)(h)
+        return h.sum()
+
+    ws = [torch.randn(4, 4, dtype=torch.float64) for _ in range(3)]
+    expected = grad(lambda ws: run(ws, False))(ws)
+    for got, want in zip(grad(lambda ws: run(ws, True))(ws), expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable"])
+def test_closed_over_list_mutated_between_forward_and_backward(policy: str) -> None:
+    # Was silently wrong: the recompute read the list as it was at backward time.
+    store: list[torch.Tensor] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ store[0]) * store[-1].sum()
+
+    def loss(a: torch.Tensor, b: torch.Tensor, fn: Any) -> torch.Tensor:
+        store[:] = [a]
+        y = fn(X).sum()
+        store.append(b)
+        return y + fn(X).sum()  # type: ignore[no-any-return]
+
+    a, b = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    g = remat.remat(f, policy=policy)
+    actual = grad(lambda a, b: loss(a, b, g), argnums=(0, 1))(a, b)
+    expected = grad(lambda a, b: loss(a, b, f), argnums=(0, 1))(a, b)
+    for got, want in zip(actual, expected, strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_finder_names_what_it_found() -> None:

@@ -67,6 +67,7 @@ import optree
 import torch
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._autocast import AutocastState
 from .._closure import Bindings, find_closed_over
@@ -154,6 +155,10 @@ class _Call:
         self.out_leaves: list[Any] = []
         self.out_positions: list[int] = []
         self.log: OpLog | None = None
+        #: Levels live where the region was called: a wrapper at one of them that
+        #: ``fn`` uses inside the forward must be an input (NOTE rule 2).
+        self.outer_levels = {i.level() for i in retrieve_all_functorch_interpreters()}
+        self.guard: _HiddenInputGuard | None = None
         self.rng: RngState | None = None
         self.autocast = AutocastState.capture()
 
@@ -186,18 +191,31 @@ class _Call:
         """Run ``fn`` as the backward's ``vjp`` will, so both see the same aten ops."""
         if not self.differentiated:
             return self.run(tensors)
+        kinds: list[bool] = []
 
-        def primal(*moved: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        def primal(
+            *moved: torch.Tensor,
+        ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+            if self.guard is not None:
+                self.guard.know(moved)
             full = list(tensors)
             for i, t in zip(self.differentiated, moved, strict=True):
                 full[i] = t
-            return self.run(full)
+            out = self.run(full)
+            kinds[:] = [_differentiable(t) for t in out]
+            # vjp takes floating outputs only; integer ones travel as aux.
+            return (
+                tuple(t for t in out if _differentiable(t)),
+                tuple(t for t in out if not _differentiable(t)),
+            )
 
         with torch.enable_grad():
-            out: tuple[torch.Tensor, ...] = torch.func.vjp(
-                primal, *(tensors[i] for i in self.differentiated)
-            )[0]
-        return out
+            result: Any = torch.func.vjp(
+                primal, *(tensors[i] for i in self.differentiated), has_aux=True
+            )
+        floats, others = result[0], result[2]
+        it_f, it_o = iter(floats), iter(others)
+        return tuple(next(it_f) if k else next(it_o) for k in kinds)
 
     def unflatten_output(self, flat: Sequence[torch.Tensor]) -> Any:
         leaves = list(self.out_leaves)
@@ -209,13 +227,14 @@ class _Call:
         """The region's forward: record what the policy keeps, guard against hidden inputs."""
         if self.region.preserve_rng_state:
             self.rng = RngState.capture(tensors)
-        with _HiddenInputGuard(self, tensors):
+        with _HiddenInputGuard(self, tensors) as self.guard, _Births(self.guard):
             if not self.region.policy.needs_op_trace and not self.region.policy.keeps_last_region:
                 out = self.run(tensors)
             else:
                 self.log = _new_log(self.region)
                 with RecordMode(self.log):
                     out = self.run_as_differentiated(tensors)
+        self.guard = None
         # autograd.Function refuses to save an input it also returns as-is: return a view.
         given = {id(t) for t in tensors}
         return tuple(t.view_as(t) if id(t) in given else t for t in out)
@@ -392,13 +411,32 @@ def _forward_ad_active() -> bool:
 
 
 class _HiddenInputGuard(TorchFunctionMode):
-    """Raise `RematError` when ``fn`` uses a tracked tensor that is not an input."""
+    """Raise `RematError` when ``fn`` uses a tracked tensor that is not an input.
+
+    Levels are numbered by depth, so inside the forward (run with the outer
+    levels lowered) a level pushed there (the recorded forward's ``vjp``, a
+    transform ``fn`` runs itself) gets the number of an outer one: a hidden
+    wrapper of the outer level 1 looks like one of the inner level 1, and the
+    inner level would treat it as its own and drop its gradient. So a wrapper
+    at the number of an outer level passes only if the guard knows it: an
+    input, a wrapper the engine made of an input, the output of an op run under
+    the guard, or a wrapper (a transform inside ``fn``) of one of those.
+    """
 
     def __init__(self, call: _Call, inputs: Sequence[torch.Tensor]) -> None:
         super().__init__()
         self.call = call
-        self.inputs = {id(t) for t in inputs}
+        self.known = {id(t) for t in inputs}
+        #: Ids of tensors aten ops made inside the forward (filled by `_Births`).
+        self.born: set[int] = set()
         self.live = {i.level() for i in retrieve_all_functorch_interpreters()}
+
+    def __enter__(self) -> _HiddenInputGuard:
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def know(self, tensors: Sequence[Any]) -> None:
+        self.known.update(id(t) for t in tensors if isinstance(t, torch.Tensor))
 
     def __torch_function__(
         self,
@@ -411,17 +449,24 @@ class _HiddenInputGuard(TorchFunctionMode):
         tree: Any = (args, kwargs)
         leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=False)
         for leaf in leaves:
-            if isinstance(leaf, torch.Tensor) and id(leaf) not in self.inputs:
+            if isinstance(leaf, torch.Tensor) and id(leaf) not in self.known:
                 self.check(leaf, func)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        self.know(optree.tree_leaves(out, none_is_leaf=False))
+        return out
 
     def check(self, t: torch.Tensor, func: Any) -> None:
         if _functorch.is_functorch_wrapped_tensor(t):
             level = _functorch.maybe_get_level(t)
-            if level not in self.live:  # a level pushed inside the forward (NOTE rule 7)
-                self.live = {i.level() for i in retrieve_all_functorch_interpreters()}
-            if level in self.live:
-                return
+            if level in self.call.outer_levels:
+                if self._wraps_known(t):
+                    self.known.add(id(t))
+                    return
+            else:
+                if level not in self.live:  # a level pushed inside the forward
+                    self.live = {i.level() for i in retrieve_all_functorch_interpreters()}
+                if level in self.live:
+                    return
         elif not t.requires_grad:
             return
         name = getattr(func, "__name__", str(func))
@@ -430,9 +475,39 @@ class _HiddenInputGuard(TorchFunctionMode):
             f"nor found among the tensors it closes over (shape {tuple(t.shape)}, dtype "
             f"{t.dtype}, used by {name}); under torch.func its gradient would silently "
             "be zero. Pass the tensor as an argument of the rematerialized function "
-            "(or keep it in a closure variable, a module parameter or a global, where "
-            "remat finds it)."
+            "(or keep it in a closure variable, a default argument, a module parameter, "
+            "an attribute of an object the function reaches, or a global, where remat "
+            "finds it)."
         )
+
+    def _wraps_known(self, t: torch.Tensor) -> bool:
+        while _functorch.is_functorch_wrapped_tensor(t):
+            t = _functorch.get_unwrapped(t)
+            if id(t) in self.known or id(t) in self.born:
+                return True
+        return False
+
+
+class _Births(TorchDispatchMode):
+    """Note every tensor an aten op makes inside the forward (in the guard's ``born``).
+
+    Transforms that ``fn`` runs itself (or the engine's ``vjp``) return tensors
+    that no Python-level op produced (gradients from the autograd engine,
+    outputs unwrapped on exit); their values were still made by aten ops inside
+    the forward, unlike a hidden wrapper's, which existed before it.
+    """
+
+    def __init__(self, guard: _HiddenInputGuard) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.born = guard.born
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        leaves: list[Any] = optree.tree_leaves(out, none_is_leaf=False)
+        self.born.update(id(t) for t in leaves if isinstance(t, torch.Tensor))
+        return out
 
 
 # ---------------------------------------------------------------------------
