@@ -23,9 +23,10 @@ NOTE [ Record and replay ]
    needs none of its inputs. An inner region with anything live in it is live
    whole, inputs included: it runs as a region of its own in the recompute,
    keeps what its policy saves and may recompute from its inputs later. A dead
-   op returns a NaN-filled tensor of the right shape and strides instead of
-   running. Ops that must run whatever reads them are always live: random ops
-   (the random stream), in-place and ``out=`` ops (they write through views the
+   op returns a meta tensor of the right shape and strides instead of running
+   (free, and loud if anything reads it; the engine then recomputes again with
+   every op live). Ops that must run whatever reads them are always live:
+   random ops (the random stream), in-place and ``out=`` ops (they write through views the
    data flow does not follow) and ops whose result Python may read (``item()``,
    ``nonzero`` and every op tagged data-dependent). View ops always run: they
    cost nothing and need no live input.
@@ -125,6 +126,11 @@ class OpRecord:
         self.kept = None
         self.versions = None
 
+    def mark_mutated(self, position: int) -> None:
+        """Make a kept output unreplayable: no tensor has version -1."""
+        if self.versions is not None:
+            self.versions[position] = -1
+
     def fully_replayable(self) -> bool:
         kept = self.replayable()
         return kept is not None and all(t is not None for t in kept)
@@ -149,11 +155,17 @@ class OpLog:
         self.records: list[OpRecord] = []
         #: Regions that ran inside this one: (first op, end op, producers of their inputs).
         self.regions: list[tuple[int, int, tuple[int, ...]]] = []
+        #: Kept outputs by storage address: an in-place write through any alias of
+        #: one (even an alias with its own version counter) makes it unreplayable.
+        self.kept_storages: dict[int, list[tuple[OpRecord, int]]] = {}
 
     def record(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         index = len(self.records)
         outputs = _flat_tensors(out)
-        effectful = _draws_random(op, args, kwargs) or _ops.is_inplace_or_out(op)
+        writes = _ops.is_inplace_or_out(op)
+        if writes:
+            self._invalidate_written(op, args, kwargs)
+        effectful = writes or _draws_random(op, args, kwargs)
         if effectful:
             verdict: Hashable = None
             decision = Decision.RECOMPUTE
@@ -174,7 +186,18 @@ class OpLog:
         for position, tensor in enumerate(outputs):
             setattr(tensor, TAG, (self.serial, index, position))
             if decision is not Decision.RECOMPUTE or rec.tentative:
-                rec.keep(position, tensor, len(outputs))
+                self._keep(rec, position, tensor)
+
+    def _keep(self, rec: OpRecord, position: int, tensor: torch.Tensor) -> None:
+        rec.keep(position, tensor, len(rec.metas))
+        address = tensor.untyped_storage().data_ptr()
+        if address:
+            self.kept_storages.setdefault(address, []).append((rec, position))
+
+    def _invalidate_written(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        for tensor in _written(op, args, kwargs):
+            for rec, position in self.kept_storages.get(tensor.untyped_storage().data_ptr(), ()):
+                rec.mark_mutated(position)
 
     def _producers(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
         found = []
@@ -247,7 +270,7 @@ class OpLog:
             if rec.kept is not None:
                 rec.kept[position] = None
         else:
-            rec.keep(position, tensor, len(rec.metas))
+            self._keep(rec, position, tensor)
 
     def end_forward(self) -> None:
         """Release the outputs kept only in case a name would save them."""
@@ -270,6 +293,24 @@ _DATA_TAGS = tuple(
     for name in ("data_dependent_output", "dynamic_output_shape")
     if hasattr(torch.Tag, name)
 )
+
+
+def _written(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an in-place or ``out=`` op writes to."""
+    written = []
+    for position, argument in enumerate(op._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        if argument.name in kwargs:
+            value = kwargs[argument.name]
+        elif position < len(args) and not argument.kwarg_only:
+            value = args[position]
+        else:
+            continue
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, torch.Tensor):
+                written.append(item)
+    return written
 
 
 def _draws_random(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -390,19 +431,14 @@ class ReplayMode(TorchDispatchMode):
 
 
 def _stand_in(meta: tuple[Any, ...]) -> torch.Tensor:
-    """A tensor shaped like a dead op's output; nothing live reads it.
+    """A meta tensor shaped like a dead op's output; nothing live reads it.
 
-    Filled with NaN (or the largest integer) rather than left uninitialized: if
-    Python ever reads one without dispatching an op (``tolist()``, ``numpy()``),
-    the result is loudly wrong, never plausibly wrong.
+    On the meta device it costs nothing, and Python reading it without an op
+    (``tolist()``, ``numpy()``) or a stand-in escaping into Python state fails
+    loudly instead of passing garbage on.
     """
-    shape, stride, dtype, device = meta
-    t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    if dtype.is_floating_point or dtype.is_complex:
-        t.fill_(float("nan"))
-    elif dtype != torch.bool:
-        t.fill_(torch.iinfo(dtype).max)
-    return t
+    shape, stride, dtype, _ = meta
+    return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
 
 
 def _rebuild(func: Any, tensors: list[torch.Tensor]) -> Any:

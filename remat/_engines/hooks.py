@@ -73,7 +73,10 @@ class _StopRecompute(Exception):
 class _Holder:
     """What autograd keeps for one saved tensor of a region."""
 
-    __slots__ = ("__weakref__", "clock", "demotable", "frame", "index", "source", "tensor")
+    __slots__ = (
+        "__weakref__", "clock", "demotable", "frame", "index", "owned", "source", "tensor",
+        "version",
+    )
 
     def __init__(self, frame: _Frame, index: int) -> None:
         self.frame = frame
@@ -86,6 +89,10 @@ class _Holder:
         #: Ops recorded before this tensor was saved (the recompute must run that far).
         self.clock = 0
         self.demotable = False
+        #: Version of the kept tensor when it was saved (a mismatch: written in place since).
+        self.version = 0
+        #: Whether the region made the tensor (so a recompute can make it again).
+        self.owned = True
 
 
 class _Frame:
@@ -146,16 +153,19 @@ class _Frame:
             holder.tensor = self.offload_saved(t, holder)
         elif decision is not Decision.RECOMPUTE:
             holder.tensor = t.detach()
+            holder.version = t._version
         if self.parent is not None:
             self.parent.collect(holder, t)
         return holder
 
     def decide(self, t: torch.Tensor, holder: _Holder) -> Decision:
         if id(t) in self.input_ids or (t.is_leaf and t.requires_grad):
+            holder.owned = False
             return Decision.SAVE  # alive anyway: keeping a reference costs nothing
         if self.log is not None:
             holder.source = self.log.lookup(t)
             if holder.source is None:
+                holder.owned = False
                 return Decision.SAVE  # made outside the region: a closure or a global
             record, position = holder.source
             decision = record.decision_at(position)
@@ -182,6 +192,8 @@ class _Frame:
                     holder.tensor = self.offloaded[id(record), position][2]
                 elif record.kept is not None and record.kept[position] is not None:
                     holder.tensor = record.kept[position]
+                    if record.versions is not None:
+                        holder.version = record.versions[position]
         if not self.keep_all:
             self.release_unread()
             self.prune_offloaded()
@@ -291,6 +303,8 @@ class _Frame:
     # -- backward ------------------------------------------------------------
 
     def unpack(self, holder: _Holder) -> torch.Tensor:
+        if isinstance(holder.tensor, torch.Tensor) and holder.tensor._version != holder.version:
+            self.written_since_saved(holder)
         if holder.tensor is None:
             self.recompute()
         value = holder.tensor
@@ -306,22 +320,46 @@ class _Frame:
             )
         return value
 
+    def written_since_saved(self, holder: _Holder) -> None:
+        """A kept tensor was modified in place after it was saved.
+
+        Plain autograd raises here; saved-tensor hooks switch its check off, so
+        the check is ours. A tensor the region made is recomputed as it was; a
+        region input or a parameter cannot be, so that raises as autograd does.
+        """
+        if holder.owned:
+            holder.tensor = None
+            return
+        assert isinstance(holder.tensor, torch.Tensor), "this is a bug in remat, please report it"
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: a tensor of shape {tuple(holder.tensor.shape)} that "
+            f"{self.region.label} saved (an input, a parameter or a closed-over tensor) is "
+            f"at version {holder.tensor._version}; expected version {holder.version}. "
+            "Modify it after backward, or clone it before modifying it."
+        )
+
     def recompute(self) -> None:
         self.needed = {h.index: h for h in self._alive() if h.tensor is None}
         if not self.needed:
             return
         self.check_inputs()
         self.stop_at = max(self.needed)
-        self.recompute_counter = itertools.count()
         restored = self.restore_offloaded(max(h.clock for h in self.needed.values()))
-        replay = None
-        if self.log is not None:
-            replay = ReplayMode(self.log, self.region.determinism_check, self.liveness())
+        live = self.liveness() if self.log is not None else None
+        replay = self._replay(live)
         try:
-            with self._recompute_context(replay):
-                self.region.fn(*_detached(self.args), **_detached(self.kwargs))
-        except _StopRecompute:
-            pass
+            try:
+                self._run_recompute(replay)
+            except RematError:
+                raise
+            except Exception:
+                if live is None or all(live):
+                    raise
+                # A dead op's stand-in reached Python (``tolist()``, state kept on
+                # an object): run every op this time (NOTE [ Record and replay ] 5).
+                replay = self._replay(None)
+                self._run_recompute(replay)
         finally:
             self.phase = "done"
             for record, position in restored:
@@ -340,6 +378,19 @@ class _Frame:
                 "depend only on its inputs, or use policy='everything-saveable'."
                 + self._logs(replay)
             )
+
+    def _replay(self, live: list[bool] | None) -> ReplayMode | None:
+        if self.log is None:
+            return None
+        return ReplayMode(self.log, self.region.determinism_check, live)
+
+    def _run_recompute(self, replay: ReplayMode | None) -> None:
+        self.recompute_counter = itertools.count()
+        try:
+            with self._recompute_context(replay):
+                self.region.fn(*_detached(self.args), **_detached(self.kwargs))
+        except _StopRecompute:
+            pass
 
     def _recompute_context(self, replay: ReplayMode | None) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -365,7 +416,10 @@ class _Frame:
             self.check_meta(index, tensor)
         holder = self.needed.get(index)
         if holder is not None:
-            holder.tensor = value.detach() if isinstance(value, torch.Tensor) else value
+            if isinstance(value, torch.Tensor):
+                holder.tensor, holder.version = value.detach(), value._version
+            else:
+                holder.tensor = value
         if index >= self.stop_at:
             raise _StopRecompute
 
@@ -373,6 +427,9 @@ class _Frame:
         expected = self.metas[index] if index < len(self.metas) else None
         if expected == (t.shape, t.dtype, t.device):
             return
+        stand_in = t.device.type == "meta" and index not in self.needed
+        if stand_in and expected is not None and expected[:2] == (t.shape, t.dtype):
+            return  # saved by a dead op's node (a stand-in): nobody will read it
         seen = "nothing (the forward saved fewer tensors)"
         if expected is not None:
             seen = f"shape {tuple(expected[0])}, {expected[1]} on {expected[2]}"
