@@ -11,8 +11,9 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 def test_readme_python_blocks_run() -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert blocks, "the README lost its tour"
+    namespace: dict[str, object] = {}  # the tour's blocks build on each other
     for block in blocks:
-        exec(compile(block, str(README), "exec"), {})
+        exec(compile(block, str(README), "exec"), namespace)
 
 
 def test_readme_names_the_commands_ci_runs() -> None:
