@@ -162,10 +162,10 @@ class OpLog:
     def record(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         index = len(self.records)
         outputs = _flat_tensors(out)
-        writes = _ops.is_inplace_or_out(op)
-        if writes:
+        traits = _traits(op)
+        if traits.writes:
             self._invalidate_written(op, args, kwargs)
-        effectful = writes or _draws_random(op, args, kwargs)
+        effectful = traits.writes or _draws_random(traits, args, kwargs)
         if effectful:
             verdict: Hashable = None
             decision = Decision.RECOMPUTE
@@ -175,7 +175,7 @@ class OpLog:
         rec = OpRecord(op, verdict, decision, index)
         rec.inputs = self._producers(args, kwargs)
         rec.metas = tuple((t.shape, t.stride(), t.dtype, t.device) for t in outputs)
-        rec.always_live = effectful or _reads_data(op, out)
+        rec.always_live = effectful or traits.reads_data
         self.records.append(rec)
         # A named output of a multi-output op (attention's output beside its
         # log-sum-exp) is replayable only if its siblings are kept as well.
@@ -313,29 +313,58 @@ def _written(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tor
     return written
 
 
-def _draws_random(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Traits:
+    """What the modes need to know about an op, computed once per op (a hot path)."""
+
+    writes: bool
+    random: bool
+    #: Position of a ``dropout_p`` argument: the op draws only when it is non-zero.
+    dropout_p: int | None
+    #: Python may read its result (``item()``, data-dependent shapes).
+    reads_data: bool
+    view: bool
+
+
+_TRAITS: dict[Any, _Traits] = {}
+
+
+def _traits(op: Any) -> _Traits:
+    found = _TRAITS.get(op)
+    if found is None:
+        found = _TRAITS[op] = _compute_traits(op)
+    return found
+
+
+def _compute_traits(op: Any) -> _Traits:
+    names = [argument.name for argument in op._schema.arguments]
+    tags = getattr(op, "tags", ())
+    returns_data = any(
+        "Tensor" not in str(ret.type) for ret in op._schema.returns
+    )  # a Python scalar or bool
+    return _Traits(
+        writes=_ops.is_inplace_or_out(op),
+        random=_ops.is_random(op),
+        dropout_p=names.index("dropout_p") if "dropout_p" in names else None,
+        reads_data=returns_data
+        or getattr(op, "overloadpacket", None) in _DATA_READERS
+        or any(tag in tags for tag in _DATA_TAGS),
+        view=_ops.is_view(op),
+    )
+
+
+def _draws_random(traits: _Traits, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether this call draws random numbers.
 
     Attention kernels are tagged random because of their ``dropout_p``
     argument; with ``dropout_p == 0`` they draw nothing and may be kept.
     """
-    if not _ops.is_random(op):
+    if not traits.random:
         return False
-    for position, argument in enumerate(op._schema.arguments):
-        if argument.name == "dropout_p":
-            value = kwargs.get("dropout_p", args[position] if position < len(args) else 0.0)
-            return bool(value)
-    return True
-
-
-def _reads_data(op: Any, out: Any) -> bool:
-    """Whether Python may read this op's result (so it must be computed for real)."""
-    if not isinstance(out, (torch.Tensor, tuple, list)):
-        return True  # a Python scalar or bool
-    if getattr(op, "overloadpacket", None) in _DATA_READERS:
+    if traits.dropout_p is None:
         return True
-    tags = getattr(op, "tags", ())
-    return any(tag in tags for tag in _DATA_TAGS)
+    position = traits.dropout_p
+    return bool(kwargs.get("dropout_p", args[position] if position < len(args) else 0.0))
 
 
 def _flat_tensors(out: Any) -> list[torch.Tensor]:
@@ -407,7 +436,7 @@ class ReplayMode(TorchDispatchMode):
         kept = rec.replayable() if rec is not None else None
         if kept is not None and all(t is not None for t in kept):
             return _rebuild(func, [detached_alias(t) for t in kept if t is not None])
-        if self._dead(index) and rec is not None and not _ops.is_view(func):
+        if self._dead(index) and rec is not None and not _traits(func).view:
             return _rebuild(func, [_stand_in(meta) for meta in rec.metas])
         out = func(*args, **kwargs)
         if kept is not None:
