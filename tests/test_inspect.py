@@ -181,3 +181,17 @@ def test_policy_costs_rows(block: Block, x: torch.Tensor) -> None:
     assert everything.recomputed_ops == 0
     assert "policy" in format_costs(rows)
     assert isinstance(rows[0], PolicyCost)
+
+
+def test_compare_prints_a_row_per_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    w = torch.randn(16, 16, requires_grad=True)
+    rows = remat.compare(
+        lambda x: torch.tanh(torch.tanh(x @ w) @ w), torch.randn(8, 16),
+        policies=["nothing-saveable", "everything-saveable"], repeats=1,
+    )
+    printed = capsys.readouterr().out
+    assert [r.policy for r in rows] == ["none", "nothing-saveable", "everything-saveable"]
+    assert all(r.policy in printed for r in rows)
+    none, nothing, everything = rows
+    assert nothing.held_bytes < everything.held_bytes == none.held_bytes
+    assert nothing.recomputed_ops > 0 == everything.recomputed_ops

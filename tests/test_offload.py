@@ -333,3 +333,11 @@ def test_region_store_wins_over_context() -> None:
     (g,) = torch.autograd.grad(out.sum(), [inputs[1]])
     torch.testing.assert_close(g, torch.autograd.grad(block(*inputs).sum(), [inputs[1]])[0])
     assert len(own.calls("get")) == 2 and ambient.log == []
+
+
+def test_stores_are_host_stores_and_the_option_is_checked() -> None:
+    assert isinstance(FakeHostStore(), remat.HostStore)
+    assert issubclass(CudaHostStore, remat.HostStore)
+    assert remat.CudaHostStore is CudaHostStore and remat.use_host_store is use_host_store
+    with pytest.raises(TypeError, match="offload_store must be a HostStore or None"):
+        remat.remat(torch.sin, policy="offload-dots", offload_store=object())  # type: ignore[call-overload]

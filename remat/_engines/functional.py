@@ -217,6 +217,20 @@ class _Call:
         it_f, it_o = iter(floats), iter(others)
         return tuple(next(it_f) if k else next(it_o) for k in kinds)
 
+    def partial(
+        self, inputs: Sequence[torch.Tensor], moving: Sequence[int], outputs: Sequence[int]
+    ) -> Callable[..., tuple[torch.Tensor, ...]]:
+        """``fn`` as a function of the inputs at ``moving``, giving the outputs at ``outputs``."""
+
+        def primal(*moved: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            full = list(inputs)
+            for i, t in zip(moving, moved, strict=True):
+                full[i] = t
+            out = self.run(full)
+            return tuple(out[i] for i in outputs)
+
+        return primal
+
     def unflatten_output(self, flat: Sequence[torch.Tensor]) -> Any:
         leaves = list(self.out_leaves)
         for position, tensor in zip(self.out_positions, flat, strict=True):
@@ -305,17 +319,10 @@ class _RematFunction(torch.autograd.Function):
         ]
         outputs = [i for i, p in enumerate(call.out_positions) if _is_float(call, i)]
 
-        def primal(*moved: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            full = list(inputs)
-            for i, t in zip(moving, moved, strict=True):
-                full[i] = t
-            out = call.run(full)
-            return tuple(out[i] for i in outputs)
-
         # Forward-mode AD interleaves tangent ops with the primal ones: no replay.
         with call.recompute(replay=False):
             out_tangents = torch.func.jvp(
-                primal,
+                call.partial(inputs, moving, outputs),
                 tuple(inputs[i] for i in moving),
                 tuple(tangents[i + 1] for i in moving),
             )[1]
@@ -357,14 +364,8 @@ def _recompute_vjp(
     # Differentiate what the forward differentiated (NOTE rule 7), return what is wanted.
     moving = sorted(set(wanted) | set(call.differentiated))
 
-    def primal(*moved: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        full = list(inputs)
-        for i, t in zip(moving, moved, strict=True):
-            full[i] = t
-        out = call.run(full)
-        return tuple(out[i] for i in outputs)
-
     with call.recompute(replay):
+        primal = call.partial(inputs, moving, outputs)
         vjp_fn = torch.func.vjp(primal, *(inputs[i] for i in moving))[1]
     found: tuple[torch.Tensor, ...] = vjp_fn(tuple(grads[i] for i in outputs))
     return tuple(found[moving.index(i)] for i in wanted)

@@ -390,7 +390,7 @@ class _Frame:
             with self._recompute_context(replay):
                 self.region.fn(*_detached(self.args), **_detached(self.kwargs))
         except _StopRecompute:
-            pass
+            return  # every holder the backward needs is full (NOTE rule 2)
 
     def _recompute_context(self, replay: ReplayMode | None) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
