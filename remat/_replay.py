@@ -270,7 +270,10 @@ class OpLog:
             if rec.kept is not None:
                 rec.kept[position] = None
         else:
-            self._keep(rec, position, tensor)
+            # Called from user code: Python-level modes (the torch.func engine's
+            # hidden-tensor guard) must not see remat's own bookkeeping.
+            with torch._C.DisableTorchFunction():
+                self._keep(rec, position, tensor)
 
     def end_forward(self) -> None:
         """Release the outputs kept only in case a name would save them."""

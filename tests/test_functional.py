@@ -397,3 +397,17 @@ def test_gpt_block_with_3d_linears_under_grad(policy: str) -> None:
     )(params)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name])
+
+
+@pytest.mark.parametrize("policy", ["save:attn_out", "save:attn_out+dots-saveable"])
+def test_naming_inside_a_module_under_grad_is_not_a_hidden_tensor(policy: str) -> None:
+    # checkpoint_name's bookkeeping (a detached alias of the named value) once
+    # tripped the hidden-tensor guard as if the function had used a foreign tensor.
+    from remat._demo_model import Block
+
+    torch.manual_seed(0)
+    block = Block(16, 2)
+    x = torch.randn(2, 6, 16)
+    expected = grad(lambda x: block(x).pow(2).sum())(x)
+    wrapped = remat.remat(block, policy=policy)
+    torch.testing.assert_close(grad(lambda x: wrapped(x).pow(2).sum())(x), expected)
