@@ -7,7 +7,7 @@ selective checkpointing saving the ops remat's dots policies save,
 ``checkpoint_sequential`` (one segment per block), and every remat policy.
 
 Per variant: peak and held bytes (exact on CPU: tensor storages beyond
-parameters and input, counted by ``remat._memory.measure_step``), step time as
+parameters and input, counted by ``remat.measure_memory``), step time as
 a ratio to no remat and to ``torch.utils.checkpoint`` measured in the same run
 (median over repetitions, variants interleaved in a rotating order), and the
 largest gradient difference from no remat. Then it shows that
@@ -35,7 +35,7 @@ import torch
 import torch.utils.checkpoint as tuc
 
 from remat import _demo_model as demo
-from remat._memory import measure_step
+from remat import measure_memory as measure_step
 
 REMAT_POLICIES = (
     "nothing-saveable",

@@ -2,10 +2,11 @@
 
 A recompute runs ``forward`` again; modules that update buffers in forward
 (BatchNorm's running statistics and ``num_batches_tracked``) would update them
-twice. While `remat.is_recomputing` is true, every *stateful* module of a
-region has each buffer replaced by a copy, and the originals are put back when
-the recompute ends (also when the engine stops it early): the recompute sees
-the state the forward left, and changes nothing. The copies are made with the
+twice. A `StateGuard` snapshots the buffers of a region's *stateful* modules
+when its forward starts; while the region recomputes, each buffer is replaced
+by a copy of its snapshot, and the originals are put back when the recompute
+ends (also when the engine stops it early): the recompute sees the state the
+forward saw, and changes nothing. The copies are made with the
 recording/replay dispatch modes switched off, so the recompute runs exactly the
 forward's ops. Stateful means: an instance of a registered type
 (`register_stateful`; ``_NormBase``, i.e. BatchNorm/InstanceNorm/SyncBatchNorm,
@@ -24,7 +25,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ._state import is_recomputing
 
-__all__ = ["frozen_state_of", "register_stateful"]
+__all__ = ["StateGuard", "register_stateful", "state_guard_of"]
 
 _STATEFUL_TYPES: list[type] = [nn.modules.batchnorm._NormBase]
 
@@ -75,44 +76,70 @@ def _is_stateful(module: nn.Module) -> bool:
     )
 
 
-@contextlib.contextmanager
-def _state_frozen(modules: Iterable[nn.Module]) -> Iterator[None]:
-    """While recomputing, run stateful modules on copies of their buffers (NOTE rule 3)."""
-    if not is_recomputing():
-        yield
-        return
-    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-    try:
+class StateGuard:
+    """Run the stateful modules among ``modules`` on the state their forward saw.
+
+    Use one guard per region call, around the forward and around the recompute
+    (`guarded`): in the forward it snapshots the stateful buffers (before the
+    forward changes them); in the recompute it swaps every such buffer for a
+    copy of its snapshot, and puts the real buffers back afterwards, also when
+    the engine stops the recompute early. So the recompute computes with the
+    numbers the forward used (BatchNorm's cumulative-average factor depends on
+    ``num_batches_tracked``) and changes no real state.
+    """
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self.modules = [m for m in modules if _is_stateful(m)]
+        self.seen: list[tuple[dict[str, Any], str, torch.Tensor]] | None = None
+
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        if not self.modules:
+            yield
+        elif not is_recomputing():
+            if self.seen is None:
+                self.seen = self._copies()
+            yield
+        else:
+            yield from self._swapped()
+
+    def _copies(self) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
         # Outside the record/replay modes: the copies are not ops of the region.
         with _disable_current_modes(), torch.no_grad():
-            for module in modules:
-                if _is_stateful(module):
-                    for name, buffer in module._buffers.items():
-                        if buffer is not None:
-                            swapped.append((module._buffers, name, buffer))
-                            module._buffers[name] = buffer.clone()
-        yield
-    finally:
-        for table, name, buffer in reversed(swapped):
-            table[name] = buffer
+            return [
+                (module._buffers, name, buffer.clone())
+                for module in self.modules
+                for name, buffer in module._buffers.items()
+                if buffer is not None
+            ]
+
+    def _swapped(self) -> Iterator[None]:
+        copies = self.seen if self.seen is not None else self._copies()
+        originals = [(table, name, table[name]) for table, name, _ in copies]
+        try:
+            with _disable_current_modes(), torch.no_grad():
+                for table, name, value in copies:
+                    table[name] = value.clone()  # the recompute may write to it
+            yield
+        finally:
+            for table, name, buffer in reversed(originals):
+                table[name] = buffer
 
 
-def frozen_state_of(fn: Callable[..., Any]) -> contextlib.AbstractContextManager[None]:
-    """Freeze the stateful modules of ``fn`` (a module or a bound method of one) in recompute.
+def state_guard_of(fn: Callable[..., Any]) -> StateGuard:
+    """A `StateGuard` for ``fn``'s module (``fn`` a module or a bound method of one).
 
-    The engines' hook for plain ``remat.remat(module)`` regions (NOTE rule 3):
-    outside a recompute, or when ``fn`` belongs to no module, it does nothing.
+    The engines' hook for plain ``remat.remat(module)`` regions: when ``fn``
+    belongs to no module, the guard does nothing.
 
     Examples:
-        >>> import torch
-        >>> from remat._module_state import frozen_state_of
+        >>> import torch, remat
         >>> bn = torch.nn.BatchNorm1d(2)
-        >>> with frozen_state_of(bn):  # not recomputing: the real buffers update
+        >>> guard = state_guard_of(bn)
+        >>> with guard.guarded():  # not recomputing: snapshot, then the real buffers update
         ...     _ = bn(torch.randn(4, 2))
-        >>> int(bn.num_batches_tracked)
-        1
+        >>> int(bn.num_batches_tracked), int(guard.seen[-1][2])
+        (1, 0)
     """
     owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
-    if not isinstance(owner, nn.Module):
-        return contextlib.nullcontext()
-    return _state_frozen(owner.modules())
+    return StateGuard(owner.modules() if isinstance(owner, nn.Module) else ())

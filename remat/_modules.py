@@ -44,7 +44,7 @@ from torch import nn
 
 from . import policies
 from ._api import call_region, make_region, remat
-from ._module_state import _state_frozen
+from ._module_state import StateGuard
 
 __all__ = [
     "apply",
@@ -75,10 +75,11 @@ class _Forward:
         # Error messages and signature checks name the user's forward, not this class.
         self.__qualname__ = getattr(function, "__qualname__", type(module).__qualname__)
         self.__wrapped__ = function
+        self.state = StateGuard(module.modules())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self.original or types.MethodType(type(self.module).forward, self.module)
-        with _state_frozen(self.module.modules()):
+        with self.state.guarded():
             return forward(*args, **kwargs)
 
 
@@ -335,12 +336,12 @@ class _Segment:
         # An attribute (not a closure cell) so the torch.func engine finds the modules.
         self.layers = list(layers)
         self.__qualname__ = "remat.sequential segment"
+        self.state = StateGuard(
+            m for layer in self.layers if isinstance(layer, nn.Module) for m in layer.modules()
+        )
 
     def __call__(self, x: Any) -> Any:
-        modules = [
-            m for layer in self.layers if isinstance(layer, nn.Module) for m in layer.modules()
-        ]
-        with _state_frozen(modules):
+        with self.state.guarded():
             for layer in self.layers:
                 x = layer(x)
         return x

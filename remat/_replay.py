@@ -104,6 +104,9 @@ class OpRecord:
     inputs: tuple[int, ...] = ()
     #: (shape, stride, dtype, device) of each output, to stand in for a dead op.
     metas: tuple[tuple[Any, ...], ...] = ()
+    #: The op's Python-number arguments: the recompute must pass the same (a
+    #: function reading Python state that changed since would compute else).
+    scalars: tuple[Any, ...] = ()
     #: Runs in the recompute whatever reads it (NOTE rule 5).
     always_live: bool = False
     #: Outputs kept only until the forward ends, in case `checkpoint_name` saves one.
@@ -174,6 +177,7 @@ class OpLog:
             decision = self.policy.decide(verdict, None)
         rec = OpRecord(op, verdict, decision, index)
         rec.inputs = self._producers(args, kwargs)
+        rec.scalars = _scalars(args, kwargs)
         rec.metas = tuple((t.shape, t.stride(), t.dtype, t.device) for t in outputs)
         rec.always_live = effectful or traits.reads_data
         self.records.append(rec)
@@ -370,6 +374,15 @@ def _draws_random(traits: _Traits, args: tuple[Any, ...], kwargs: dict[str, Any]
     return bool(kwargs.get("dropout_p", args[position] if position < len(args) else 0.0))
 
 
+def _scalars(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The Python numbers among an op's arguments (NaN as a string, so it equals itself)."""
+    found: list[Any] = []
+    for arg in itertools.chain(args, kwargs.values()):
+        if isinstance(arg, (bool, int, float, complex)):
+            found.append("nan" if arg != arg else arg)
+    return tuple(found)
+
+
 def _flat_tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
@@ -436,6 +449,8 @@ class ReplayMode(TorchDispatchMode):
         self.ran.append(func)
         if self.check and (rec is None or rec.op != func):
             raise self.mismatch(index, func)
+        if self.check and rec is not None and rec.scalars != _scalars(args, kwargs):
+            raise self.mismatch(index, func, rec.scalars, _scalars(args, kwargs))
         kept = rec.replayable() if rec is not None else None
         if kept is not None and all(t is not None for t in kept):
             return _rebuild(func, [detached_alias(t) for t in kept if t is not None])
@@ -449,15 +464,25 @@ class ReplayMode(TorchDispatchMode):
     def _dead(self, index: int) -> bool:
         return self.live is not None and not self.live[index]
 
-    def mismatch(self, index: int, func: Any) -> NondeterministicRecomputeError:
+    def mismatch(
+        self, index: int, func: Any, forward_scalars: Any = None, recompute_scalars: Any = None
+    ) -> NondeterministicRecomputeError:
         forward = self.log.op_names()
         expected = forward[index] if index < len(forward) else "(the forward had ended)"
+        if forward_scalars is None:
+            what = f"the forward ran {expected}, the recompute ran {func}"
+        else:
+            what = (
+                f"{func} got the numbers {forward_scalars} in the forward and "
+                f"{recompute_scalars} in the recompute (Python state it reads changed)"
+            )
         return NondeterministicRecomputeError(
             f"remat: the recompute of {self.log.label} differs from its forward at op "
-            f"#{index}: the forward ran {expected}, the recompute ran {func}.\n"
-            "The function must run the same ops on every call: make control flow depend "
-            "only on its inputs and static arguments, or use policy='everything-saveable' "
-            "for this region. Pass debug=True to remat.remat to see both op logs.\n"
+            f"#{index}: {what}.\n"
+            "The function must run the same ops on every call: make control flow and the "
+            "numbers it uses depend only on its inputs and static arguments, or use "
+            "policy='everything-saveable' for this region (determinism_check=False if the "
+            "difference is expected). Pass debug=True to remat.remat to see both op logs.\n"
             + side_by_side(forward, [str(f) for f in self.ran])
         )
 

@@ -20,6 +20,8 @@ class _Local(threading.local):
         self.recorders: list[Any] = []
         #: The `save_last` frame that keeps its activations until the next one starts.
         self.last_region: Any = None
+        #: The same for the torch.func engine: the op log of its last `save_last` region.
+        self.last_functional_log: Any = None
 
 
 local = _Local()

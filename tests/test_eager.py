@@ -465,3 +465,34 @@ def test_attention_kernel_is_not_recomputed_when_kept(policy: str) -> None:
         got = torch.autograd.grad(out, (x, w))
     assert not any("scaled_dot_product" in op and "backward" not in op for op in counter.counts)
     assert_close_all(got, expected)
+
+
+@pytest.mark.parametrize("policy", SOME_POLICIES)
+def test_function_that_differentiates_inside_the_region(policy: str) -> None:
+    # An inner gradient (a score, a force) taken inside the region: its backward
+    # unpacks the region's own saved tensors during the forward and during the
+    # recompute, and the recording mode must not see that recompute's ops.
+    def f(x, w):  # type: ignore[no-untyped-def]
+        y = remat.checkpoint_name((x @ w).tanh(), "hidden")
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return (g * y).sin()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+    expected = torch.autograd.grad(f(x, w).sum(), (x, w))
+    assert_close_all(torch.autograd.grad(remat.remat(f, policy=policy)(x, w).sum(), (x, w)),
+                     expected)
+
+
+def test_python_numbers_that_change_before_the_recompute_raise() -> None:
+    state = {"scale": 1.0}
+
+    def f(x):  # type: ignore[no-untyped-def]
+        y = x * state["scale"]
+        state["scale"] += 1.0  # Python state the recompute would read differently
+        return y.sin()
+
+    out = remat.remat(f, policy="dots-saveable")(torch.randn(3, requires_grad=True)).sum()
+    with pytest.raises(remat.NondeterministicRecomputeError, match=r"got the numbers \(1\.0,\) in "
+                       r"the forward and \(2\.0,\) in the recompute"):
+        out.backward()

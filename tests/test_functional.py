@@ -411,3 +411,20 @@ def test_naming_inside_a_module_under_grad_is_not_a_hidden_tensor(policy: str) -
     expected = grad(lambda x: block(x).pow(2).sum())(x)
     wrapped = remat.remat(block, policy=policy)
     torch.testing.assert_close(grad(lambda x: wrapped(x).pow(2).sum())(x), expected)
+
+
+def test_save_last_regions_with_different_policies_demote_each_other() -> None:
+    # A save-last region demoted by a region of another save-last policy once
+    # decided with the newcomer's policy (and crashed on its verdicts).
+    w = torch.randn(4, 4, dtype=torch.float64)
+    x = torch.randn(3, 4, dtype=torch.float64)
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return remat.checkpoint_name(torch.tanh(x @ w), "hidden") @ w
+
+    a = remat.remat(block, policy="save-last")
+    b = remat.remat(block, policy="save-last+dots-saveable")
+    c = remat.remat(block, policy="save-last+save:hidden")
+    expected = grad(lambda w: block(block(block(x, w), w), w).sum())(w)
+    torch.testing.assert_close(grad(lambda w: c(b(a(x, w), w), w).sum())(w), expected)
+    torch.testing.assert_close(grad(lambda w: a(c(b(x, w), w), w).sum())(w), expected)

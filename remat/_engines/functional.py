@@ -75,7 +75,7 @@ from .._errors import RematError
 from .._region import Region
 from .._replay import OpLog, RecordMode, ReplayMode
 from .._rng import RngState
-from .._state import recomputing
+from .._state import local, recomputing
 from ..policies import Decision, Policy
 
 __all__ = ["run_functional"]
@@ -532,26 +532,30 @@ class _KeepAll(Policy):
         return Decision.SAVE
 
 
-_last_log: weakref.ref[OpLog] | None = None
-
-
 def _new_log(region: Region) -> OpLog:
-    global _last_log
     policy = region.policy
     if not policy.keeps_last_region:
         return OpLog(policy, region.label)
-    previous = _last_log() if _last_log is not None else None
+    previous = local.last_functional_log() if local.last_functional_log is not None else None
     if previous is not None:
-        _demote(previous, policy)
+        _demote(previous)
     log = OpLog(_KeepAll(policy), region.label)
-    _last_log = weakref.ref(log)
+    local.last_functional_log = weakref.ref(log)
     return log
 
 
-def _demote(log: OpLog, policy: Policy) -> None:
+def _demote(log: OpLog) -> None:
+    """Release what only being the last `save_last` region kept (the base policy decides)."""
+    keeper = log.policy
+    assert isinstance(keeper, _KeepAll), "this is a bug in remat, please report it"
+    base = keeper.base
     for rec in log.records:
         if rec.kept is None:
             continue
-        verdict = rec.verdict if policy.needs_op_trace else policy.decide_op(None, (), {})
-        if policy.decide(verdict, None) is Decision.RECOMPUTE:
+        verdict = rec.verdict if base.needs_op_trace else base.decide_op(None, (), {})
+        for position in range(len(rec.kept)):
+            name = rec.named[position][0] if rec.named and position in rec.named else None
+            if base.decide(verdict, name) is Decision.RECOMPUTE:
+                rec.kept[position] = None
+        if all(t is None for t in rec.kept):
             rec.release()

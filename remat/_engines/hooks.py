@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .._autocast import AutocastState
 from .._errors import NondeterministicRecomputeError, RematError, SavedInputMutatedError
-from .._module_state import frozen_state_of
+from .._module_state import state_guard_of
 from .._offload import HostStore, Offloaded, current_store, next_serial, offload
 from .._pytree import tensor_leaves, tree_map
 from .._region import Region
@@ -112,6 +112,7 @@ class _Frame:
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.rng = RngState.capture(self.inputs) if region.preserve_rng_state else None
         self.autocast = AutocastState.capture()
+        self.state_guard = state_guard_of(region.fn)
         self.versions: list[int] = []
         self.mutated_in_forward = False
         #: The frame whose recompute is running this region (rule 4), if any.
@@ -135,6 +136,7 @@ class _Frame:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
             if self.log is not None:
                 stack.enter_context(RecordMode(self.log))
+            stack.enter_context(self.state_guard.guarded())
             out = self.region.fn(*self.args, **self.kwargs)
         self.versions = [t._version for t in self.inputs]
         self.mutated_in_forward = self.versions != start_versions
@@ -348,20 +350,14 @@ class _Frame:
         restored = self.restore_offloaded(max(h.clock for h in self.needed.values()))
         live = self.liveness() if self.log is not None else None
         replay = self._replay(live)
+        # Backward inside the region's own forward (``torch.autograd.grad`` in
+        # ``fn``): the recording mode must not see the recompute's ops.
+        in_forward = self.phase == "forward"
         try:
-            try:
-                self._run_recompute(replay)
-            except RematError:
-                raise
-            except Exception:
-                if live is None or all(live):
-                    raise
-                # A dead op's stand-in reached Python (``tolist()``, state kept on
-                # an object): run every op this time (NOTE [ Record and replay ] 5).
-                replay = self._replay(None)
-                self._run_recompute(replay)
+            with _disable_current_modes() if in_forward else contextlib.nullcontext():
+                self._recompute_or_retry(replay, live)
         finally:
-            self.phase = "done"
+            self.phase = "forward" if in_forward else "done"
             for record, position in restored:
                 if record.kept is not None:
                     record.kept[position] = None  # the collected holders keep what they need
@@ -378,6 +374,18 @@ class _Frame:
                 "depend only on its inputs, or use policy='everything-saveable'."
                 + self._logs(replay)
             )
+
+    def _recompute_or_retry(self, replay: ReplayMode | None, live: list[bool] | None) -> None:
+        try:
+            self._run_recompute(replay)
+        except RematError:
+            raise
+        except Exception:
+            if live is None or all(live):
+                raise
+            # A dead op's stand-in reached Python (``tolist()``, state kept on an
+            # object): run every op this time (NOTE [ Record and replay ] rule 5).
+            self._run_recompute(self._replay(None))
 
     def _replay(self, live: list[bool] | None) -> ReplayMode | None:
         if self.log is None:
@@ -401,27 +409,36 @@ class _Frame:
         if self.rng is not None:
             stack.enter_context(self.rng.restored())
         stack.enter_context(self.autocast.applied())
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.collect, _unreachable))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.collect, _identity))
         if replay is not None:
             stack.enter_context(replay)
-        stack.enter_context(frozen_state_of(self.region.fn))
+        stack.enter_context(self.state_guard.guarded())
         return stack
 
-    def collect(self, value: torch.Tensor | _Holder, t: torch.Tensor | None = None) -> None:
-        """Recompute pack hook: the k-th tensor saved goes into the k-th holder."""
+    def collect(
+        self, value: torch.Tensor | _Holder, t: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Recompute pack hook: the k-th tensor saved goes into the k-th holder.
+
+        Returns what the recompute's own graph keeps: the tensor, so that a
+        function that differentiates internally (``torch.autograd.grad`` inside
+        the region) can backpropagate through its recomputed graph.
+        """
         index = next(self.recompute_counter)
         tensor = value if isinstance(value, torch.Tensor) else t
         assert tensor is not None, "this is a bug in remat, please report it"
         if self.region.determinism_check:
             self.check_meta(index, tensor)
+        kept = tensor.detach()
         holder = self.needed.get(index)
         if holder is not None:
             if isinstance(value, torch.Tensor):
-                holder.tensor, holder.version = value.detach(), value._version
+                holder.tensor, holder.version = kept, tensor._version
             else:
                 holder.tensor = value
         if index >= self.stop_at:
             raise _StopRecompute
+        return kept
 
     def check_meta(self, index: int, t: torch.Tensor) -> None:
         expected = self.metas[index] if index < len(self.metas) else None
@@ -472,8 +489,8 @@ def _placeholder(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
-def _unreachable(_: object) -> torch.Tensor:
-    raise AssertionError("remat: a recompute graph was unpacked; this is a bug in remat")
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _detached(tree: Any) -> Any:
