@@ -194,6 +194,12 @@ def wrap(module: M, /, *, policy: Any = "nothing-saveable", **remat_options: Any
         >>> list(block.state_dict())
         ['0.weight', '0.bias']
     """
+    unknown = sorted(set(remat_options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"remat.wrap: unknown option {unknown[0]!r}; the options are "
+            f"{', '.join(['policy', *_OPTIONS])}"
+        )
     if not isinstance(module, nn.Module):
         raise TypeError(f"remat.wrap: expected an nn.Module, got {type(module).__name__}")
     current = module.__dict__.get("forward")

@@ -504,3 +504,8 @@ def test_functional_call_grad_and_vmap() -> None:
         torch.testing.assert_close(got[key], expected[key])
         torch.testing.assert_close(per_sample[key], expected_per_sample[key])
         assert got[key].abs().sum() > 0  # swapped-in parameters get real gradients
+
+
+def test_wrap_names_an_unknown_option() -> None:
+    with pytest.raises(TypeError, match=r"remat\.wrap: unknown option 'polcy'; the options are"):
+        wrap(nn.Linear(2, 2), polcy="dots-saveable")

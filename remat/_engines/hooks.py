@@ -333,9 +333,9 @@ class _Frame:
             holder.tensor = None
             return
         assert isinstance(holder.tensor, torch.Tensor), "this is a bug in remat, please report it"
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: a tensor of shape {tuple(holder.tensor.shape)} that "
+        raise SavedInputMutatedError(
+            "remat: one of the variables needed for gradient computation has been modified "
+            f"by an inplace operation: a tensor of shape {tuple(holder.tensor.shape)} that "
             f"{self.region.label} saved (an input, a parameter or a closed-over tensor) is "
             f"at version {holder.tensor._version}; expected version {holder.version}. "
             "Modify it after backward, or clone it before modifying it."
