@@ -6,24 +6,17 @@ NOTE [ Wrapped modules ]
    hooks, DDP and ``functional_call`` all go through it. Nothing else changes:
    no new submodule, no parameter moves, so ``state_dict`` keys stay the same.
 2. No reference cycle: `_RematForward` holds the module through a weak
-   reference. Each call builds a fresh `_Forward` (a strong reference that lives
-   only as long as that call's autograd graph) and runs it through
-   `remat.remat`. A per-call region also lets the ``torch.func`` engine find the
-   module's parameters as ``functional_call`` swapped them in (a `_Forward`
-   exposes the module as an attribute, which ``_closure.py`` walks).
-3. Module state. A recompute runs ``forward`` again; modules that update
-   buffers in forward (BatchNorm's running statistics and
-   ``num_batches_tracked``) would update them twice. While
-   `remat.is_recomputing` is true, every *stateful* module under the wrapped
-   one has each buffer replaced by a copy, and the originals are put back when
-   the recompute ends (also when the engine stops it early): the recompute sees
-   the state the forward left, and changes nothing. The copies are made with
-   the recording/replay dispatch modes switched off, so the recompute runs
-   exactly the forward's ops. Stateful means: an instance of a registered type
-   (`register_stateful`; ``_NormBase``, i.e. BatchNorm/InstanceNorm/SyncBatchNorm,
-   is registered) or a module with the attribute ``remat_stateful = True``.
-   Python-level state (counters, caches) is the user's to guard with
-   `remat.is_recomputing`.
+   reference. Its region is validated and built once, by `wrap`; each call
+   swaps in a fresh `_Forward` (a strong reference that lives only as long as
+   that call's autograd graph). A per-call `_Forward` also lets the
+   ``torch.func`` engine find the module's parameters as ``functional_call``
+   swapped them in (it exposes the module as an attribute, which
+   ``_closure.py`` walks).
+3. Module state: a `_Forward` (and a `sequential` segment) runs its modules
+   under a `StateGuard` (``_module_state.py``), so stateful modules
+   (BatchNorm) change their buffers once per real forward and recompute with
+   the state the forward saw. Python-level state (counters, caches) is the
+   user's to guard with `remat.is_recomputing`.
 4. Idempotent: wrapping a wrapped module replaces its policy and options (the
    original ``forward`` is kept), so wrapping twice with the same arguments is a
    no-op. `unwrap` restores the instance attribute the module had before (or
