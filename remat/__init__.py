@@ -20,7 +20,7 @@ from ._inspect import print_saved_residuals as print_saved_residuals
 from ._inspect import residual_totals as residual_totals
 from ._inspect import saved_residuals as saved_residuals
 from ._memory import MemoryReport as MemoryReport
-from ._memory import measure_step as measure_memory
+from ._memory import measure_memory as measure_memory
 from ._module_state import register_stateful as register_stateful
 from ._modules import apply as apply
 from ._modules import sequential as sequential

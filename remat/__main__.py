@@ -20,13 +20,11 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _demo_model as demo
-from ._memory import measure_step
+from ._memory import ComputeOpCounter, measure_memory
 
 __all__ = ["VARIANTS", "Row", "format_table", "main"]
 
@@ -71,27 +69,12 @@ class Row:
         return self.grad_diff <= GRAD_TOLERANCE
 
 
-class _ComputeOpCounter(TorchDispatchMode):
-    """Count aten ops that compute something (not views, not detaches)."""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.count = 0
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
-        if not (func.is_view or func.overloadpacket is torch.ops.aten.detach):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _backward_ops_and_grads(
     model: demo.Stack, x: torch.Tensor, how: str
 ) -> tuple[int, list[torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     loss = model.loss(x, how)
-    with _ComputeOpCounter() as counter:  # active in backward only: recompute lands here
+    with ComputeOpCounter() as counter:  # active in backward only: recompute lands here
         loss.backward()
     return counter.count, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
@@ -115,7 +98,7 @@ def run(
         # Counting first warms up one-time allocations, which must not reach the meter.
         ops[label], grads[label] = _backward_ops_and_grads(model, x, how)
         model.zero_grad(set_to_none=True)
-        memory[label] = measure_step(lambda x, how=how: model.loss(x, how), x)
+        memory[label] = measure_memory(lambda x, how=how: model.loss(x, how), x)
     # Interleaved, so that a slow moment of a noisy machine hits every variant alike.
     times: dict[str, list[float]] = collections.defaultdict(list)
     for _ in range(repeats):

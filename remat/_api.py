@@ -16,6 +16,7 @@ from ._offload import HostStore
 from ._pytree import tensor_leaves
 from ._region import Region, describe_callable
 from ._state import local
+from .policies import PolicyLike
 
 __all__ = ["call_region", "checkpoint", "checkpoint_name", "make_region", "remat"]
 
@@ -30,7 +31,7 @@ def remat(
     fn: F,
     /,
     *,
-    policy: Any = ...,
+    policy: PolicyLike = ...,
     static_argnums: int | Sequence[int] = ...,
     static_argnames: str | Sequence[str] = ...,
     preserve_rng_state: bool = ...,
@@ -46,7 +47,7 @@ def remat(
     fn: None = None,
     /,
     *,
-    policy: Any = ...,
+    policy: PolicyLike = ...,
     static_argnums: int | Sequence[int] = ...,
     static_argnames: str | Sequence[str] = ...,
     preserve_rng_state: bool = ...,
@@ -61,7 +62,7 @@ def remat(
     fn: F | None = None,
     /,
     *,
-    policy: Any = "nothing-saveable",
+    policy: PolicyLike = "nothing-saveable",
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
     preserve_rng_state: bool = True,
@@ -155,7 +156,7 @@ def _make_wrapper(fn: F, **options: Any) -> F:
 def make_region(
     fn: Callable[..., Any],
     *,
-    policy: Any,
+    policy: PolicyLike,
     static_argnums: int | Sequence[int],
     static_argnames: str | Sequence[str],
     preserve_rng_state: bool,

@@ -37,9 +37,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import policies as _policies
 from ._engines.hooks import _Frame, _Holder, _keeps_everything
+from ._memory import ComputeOpCounter
 from ._region import Region, describe_callable
 from ._replay import TAG, OpRecord
-from .policies import Decision
+from .policies import Decision, PolicyLike
 
 __all__ = [
     "PolicyCost",
@@ -89,7 +90,7 @@ class Residual:
 
 
 def saved_residuals(
-    fn: Callable[..., Any], *args: Any, policy: Any = "nothing-saveable", **kwargs: Any
+    fn: Callable[..., Any], *args: Any, policy: PolicyLike = "nothing-saveable", **kwargs: Any
 ) -> list[Residual]:
     """List every tensor backward will hold for ``remat.remat(fn, policy=policy)(*args, **kwargs)``.
 
@@ -133,7 +134,7 @@ def saved_residuals(
 
 
 def print_saved_residuals(
-    fn: Callable[..., Any], *args: Any, policy: Any = "nothing-saveable", **kwargs: Any
+    fn: Callable[..., Any], *args: Any, policy: PolicyLike = "nothing-saveable", **kwargs: Any
 ) -> None:
     """Print what backward holds for ``fn`` under ``policy``, with totals per decision.
 
@@ -462,11 +463,11 @@ def policy_costs(
         (['none', 'nothing-saveable'], True)
     """
     from ._api import remat as remat_fn
-    from ._memory import measure_step
+    from ._memory import measure_memory
 
     variants = [("none", fn)] + [(_label(p), remat_fn(fn, policy=p)) for p in policies]
     steps = [(label, _loss_fn(g, kwargs)) for label, g in variants]
-    memory = {label: measure_step(step, *args) for label, step in steps}
+    memory = {label: measure_memory(step, *args) for label, step in steps}
     ops = {label: _backward_ops(step, args) for label, step in steps}
     times: dict[str, list[float]] = collections.defaultdict(list)
     for _ in range(max(1, repeats)):
@@ -546,21 +547,8 @@ def _loss_fn(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., to
     return loss
 
 
-class _ComputeOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.count = 0
-
-    def __torch_dispatch__(
-        self, func: Any, types_: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        if not (func.is_view or func.overloadpacket is torch.ops.aten.detach):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _backward_ops(step: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> int:
     loss = step(*args)
-    with _ComputeOps() as counter:
+    with ComputeOpCounter() as counter:
         loss.backward()
     return int(counter.count)

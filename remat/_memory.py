@@ -37,7 +37,7 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MemoryMeter", "MemoryReport", "measure_step"]
+__all__ = ["ComputeOpCounter", "MemoryMeter", "MemoryReport", "measure_memory"]
 
 
 class MemoryMeter(TorchDispatchMode):
@@ -172,7 +172,7 @@ class MemoryReport:
     baseline_bytes: int
 
 
-def measure_step(fn: Callable[..., torch.Tensor], *args: Any) -> MemoryReport:
+def measure_memory(fn: Callable[..., torch.Tensor], *args: Any) -> MemoryReport:
     """Measure the memory of ``fn(*args).backward()``.
 
     ``fn`` returns a scalar loss. On CPU the bytes are counted exactly by
@@ -195,7 +195,7 @@ def measure_step(fn: Callable[..., torch.Tensor], *args: Any) -> MemoryReport:
         >>> import torch
         >>> w = torch.ones(64, 64, requires_grad=True)  # 16 KiB
         >>> x = torch.ones(8, 64)                       # 2 KiB
-        >>> r = measure_step(lambda x: (x @ w).sum(), x)
+        >>> r = measure_memory(lambda x: (x @ w).sum(), x)
         >>> r.baseline_bytes, r.held_bytes              # held: the loss (x, w are baseline)
         (18432, 4)
         >>> r.peak_bytes                    # w.grad + the loss + its seed gradient ones_like(loss)
@@ -257,3 +257,29 @@ def _measure_cuda(
     peak = torch.cuda.max_memory_allocated(device) - baseline
     return MemoryReport(peak, held, baseline)
 
+
+class ComputeOpCounter(TorchDispatchMode):
+    """Count the aten ops that compute something (not views, not detaches) while active.
+
+    Entered around a backward pass, it counts the backward's ops plus whatever
+    the recompute reruns: the demo and `remat.compare` subtract no remat's count.
+
+    Examples:
+        >>> import torch
+        >>> x = torch.randn(3, 3)
+        >>> with ComputeOpCounter() as counter:
+        ...     _ = (x @ x).t().sin()
+        >>> counter.count
+        2
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.count = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if not (func.is_view or func.overloadpacket is torch.ops.aten.detach):
+            self.count += 1
+        return func(*args, **(kwargs or {}))

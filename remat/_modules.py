@@ -38,6 +38,7 @@ from torch import nn
 from . import policies
 from ._api import call_region, make_region, remat
 from ._module_state import StateGuard
+from .policies import PolicyLike
 
 __all__ = [
     "apply",
@@ -151,7 +152,7 @@ def is_wrapped(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get("forward"), _RematForward)
 
 
-def wrap(module: M, /, *, policy: Any = "nothing-saveable", **remat_options: Any) -> M:
+def wrap(module: M, /, *, policy: PolicyLike = "nothing-saveable", **remat_options: Any) -> M:
     """Rematerialize ``module``'s forward, in place; return the same module.
 
     Calls keep working as before: positional and keyword arguments, pytrees,
@@ -374,7 +375,7 @@ def sequential(
     /,
     *,
     segments: int = 1,
-    policy: Any = "save-last",
+    policy: PolicyLike = "save-last",
     **remat_options: Any,
 ) -> Any:
     """Run ``layers`` on ``x`` in ``segments`` rematerialized segments; return the output.

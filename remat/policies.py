@@ -35,8 +35,8 @@ import abc
 import dataclasses
 import difflib
 import enum
-from collections.abc import Callable, Hashable, Iterable
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, TypeAlias
 
 import torch
 import torch.utils.checkpoint
@@ -44,6 +44,7 @@ import torch.utils.checkpoint
 from remat import _ops
 
 __all__ = [
+    "PolicyLike",
     "Decision",
     "Policy",
     # policy objects
@@ -146,6 +147,11 @@ class Policy(abc.ABC):
 # ---------------------------------------------------------------------------
 
 _OFFLOAD_DSTS = {"cpu": "cpu", "pinned_host": "cpu"}
+
+
+#: Everything `resolve` accepts: a `Policy`, a name or pattern string, a callable
+#: ``fn(op, *args, **kwargs) -> bool | Decision``, or a sequence of aten ops to save.
+PolicyLike: TypeAlias = "Policy | str | Callable[..., bool | Decision] | Sequence[Any]"
 
 
 def _check_dst(api: str, offload_dst: object) -> str:
@@ -821,7 +827,7 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def register(name: str, policy: Any, *, override: bool = False) -> None:
+def register(name: str, policy: PolicyLike, *, override: bool = False) -> None:
     """Add a policy name that :func:`resolve` (and ``policy=``) accepts.
 
     Args:
@@ -886,7 +892,7 @@ def _resolve_one(text: str) -> Policy:
     return _PATTERNS[key](parts)
 
 
-def resolve(policy: Any) -> Policy:
+def resolve(policy: PolicyLike) -> Policy:
     """Turn any accepted form of a policy into a :class:`Policy`.
 
     Accepted forms: a :class:`Policy` (returned as is); a policy string (see the

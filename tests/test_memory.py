@@ -11,7 +11,7 @@ import torch
 import remat
 from remat import MemoryReport
 from remat import _demo_model as demo
-from remat import measure_memory as measure_step
+from remat import measure_memory
 from remat._memory import MemoryMeter
 
 F32 = 4
@@ -76,7 +76,7 @@ def test_backward_ops_are_counted() -> None:
 def test_measure_step_no_remat_is_analytic() -> None:
     w = torch.randn(8, 16, requires_grad=True)
     x = torch.randn(4, 8)
-    report = measure_step(lambda x: torch.relu(x @ w).sum(), x)
+    report = measure_memory(lambda x: torch.relu(x @ w).sum(), x)
     relu_out, loss, grad_w = 4 * 16 * F32, F32, 8 * 16 * F32
     # x @ w dies once relu has run; relu's output is saved for backward.
     assert report == MemoryReport(
@@ -90,7 +90,7 @@ def test_measure_step_no_remat_is_analytic() -> None:
 def test_measure_step_baseline_includes_module_parameters() -> None:
     model = torch.nn.Linear(8, 4)
     x = torch.randn(2, 8)
-    report = measure_step(lambda x: model(x).sum(), x)
+    report = measure_memory(lambda x: model(x).sum(), x)
     assert report.baseline_bytes == (8 * 4 + 4 + 2 * 8) * F32
 
 
@@ -103,13 +103,13 @@ def test_meter_outside_remat_sees_its_modes_and_recompute() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return torch.relu(x @ w).sum()
 
-    plain = measure_step(f, x)
+    plain = measure_memory(f, x)
     w.grad = None
     for policy in ("nothing-saveable", "dots-saveable"):  # dots: through the replay mode
-        rematerialized = measure_step(remat.remat(f, policy=policy), x)
+        rematerialized = measure_memory(remat.remat(f, policy=policy), x)
         w.grad = None
         assert rematerialized.held_bytes <= plain.held_bytes
-    assert measure_step(remat.remat(f), x) == MemoryReport(
+    assert measure_memory(remat.remat(f), x) == MemoryReport(
         peak_bytes=plain.peak_bytes, held_bytes=F32, baseline_bytes=plain.baseline_bytes
     )
 
@@ -118,7 +118,7 @@ def test_meter_outside_remat_sees_its_modes_and_recompute() -> None:
 def test_measure_step_on_cuda() -> None:
     w = torch.randn(256, 256, device="cuda", requires_grad=True)
     x = torch.randn(64, 256, device="cuda")
-    report = measure_step(lambda x: torch.relu(x @ w).sum(), x)
+    report = measure_memory(lambda x: torch.relu(x @ w).sum(), x)
     assert report.held_bytes >= 64 * 256 * F32  # relu's output
     assert report.peak_bytes >= 256 * 256 * F32  # w.grad
 
@@ -146,7 +146,7 @@ def reports() -> dict[str, MemoryReport]:
     try:
         for how in VARIANTS:
             model.zero_grad(set_to_none=True)
-            out[how] = measure_step(lambda x, how=how: model.loss(x, how), x)
+            out[how] = measure_memory(lambda x, how=how: model.loss(x, how), x)
     finally:
         torch.set_num_threads(threads)
     return out
