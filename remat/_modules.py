@@ -106,14 +106,17 @@ class _RematForward:
         self.module_ref = weakref.ref(module)
         #: The instance attribute ``forward`` the module had before `wrap`, if any.
         self.original = original
-        self.policy = policy
-        self.options = options
         # Validated once, here, against the real forward (its signature and source
         # line); each call only swaps in a fresh `_Forward`.
         bound = _bound_forward(module, original)
         region = make_region(bound, policy=policy, **_OPTIONS | options)
         self.region = dataclasses.replace(region, fn=_unset)
-        self.__signature__ = inspect.signature(_bound_forward(module, original))
+        self.__signature__ = inspect.signature(bound)
+
+    @property
+    def policy(self) -> policies.Policy:
+        """The policy the module's forward is rematerialized with."""
+        return self.region.policy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module_ref()
@@ -133,7 +136,7 @@ class _RematForward:
         return new
 
     def __repr__(self) -> str:
-        return f"<rematerialized forward, policy={self.policy!r}>"
+        return f"<rematerialized forward, policy={self.region.policy!r}>"
 
 
 def _bound_forward(module: nn.Module, original: Callable[..., Any] | None) -> Callable[..., Any]:
