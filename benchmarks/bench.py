@@ -6,12 +6,22 @@ checkpointing, ``torch.utils.checkpoint`` (non-reentrant) per block, torch
 selective checkpointing saving the ops remat's dots policies save,
 ``checkpoint_sequential`` (one segment per block), and every remat policy.
 
-Per variant: peak and held bytes (exact on CPU: tensor storages beyond
-parameters and input, counted by ``remat.measure_memory``), step time as
+Per variant: device peak and held bytes (exact on CPU: tensor storages beyond
+parameters and input, counted by ``remat.measure_memory``), host bytes (the
+host store's pooled buffers; offload policies only), step time as
 a ratio to no remat and to ``torch.utils.checkpoint`` measured in the same run
 (median over repetitions, variants interleaved in a rotating order), and the
 largest gradient difference from no remat. Then it shows that
 ``torch.utils.checkpoint`` raises under ``torch.func.grad`` while remat runs.
+
+Offload on CPU: the default (CUDA) store takes no CPU tensor, so
+``remat offload-dots`` degrades to saving (0 host bytes). The row
+``remat offload-dots (fake host store, CPU simulation)`` (``--no-fake-offload``
+to drop it) runs the same policy with ``FakeHostStore(min_bytes=0)``, which
+copies CPU to CPU: it shows the protocol's effect on the byte columns (device
+bytes drop, host bytes appear; values fetched back in backward count as device
+memory again), not real transfer costs; its time includes plain CPU copies.
+On CUDA the same columns come from the real pinned store.
 
 Run: ``python benchmarks/bench.py`` (``--help`` for sizes); writes
 ``benchmarks/results.json`` and prints a Markdown table. These are
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import pathlib
 import platform
@@ -34,8 +45,11 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as tuc
 
+from remat import MemoryReport
 from remat import _demo_model as demo
 from remat import measure_memory as measure_step
+from remat._memory import MemoryMeter
+from remat._offload import CudaHostStore, FakeHostStore, HostStore, use_host_store
 
 REMAT_POLICIES = (
     "nothing-saveable",
@@ -54,6 +68,7 @@ TORCH_VARIANTS = (
     ("torch selective (2-D dots ops)", demo.TORCH_SELECTIVE + "dots-no-batch-saveable"),
 )
 SEQUENTIAL = "torch checkpoint_sequential"
+FAKE_OFFLOAD = "remat offload-dots (fake host store, CPU simulation)"
 
 
 @dataclasses.dataclass
@@ -63,13 +78,81 @@ class Row:
     variant: str
     peak_bytes: int
     held_bytes: int
+    host_bytes: int
     time_vs_none: float
     time_vs_torch: float
     max_grad_diff: float
 
 
-def make_losses(model: demo.Stack) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """Every variant as a function from the input to the scalar loss."""
+class MeteredFakeStore(FakeHostStore):
+    """`FakeHostStore` whose values brought back count as device memory in ``meter``.
+
+    The engines call stores with dispatch modes disabled, so a `MemoryMeter`
+    sees neither the host copies (right: they are host memory) nor the values
+    fetched back in backward (wrong: on a GPU those are device allocations).
+    This store reports the latter to the meter of the step being measured.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(min_bytes=0)
+        self.meter: MemoryMeter | None = None
+
+    def _count(self, t: torch.Tensor | None) -> None:
+        if self.meter is not None and t is not None:
+            self.meter._track(t.untyped_storage(), baseline=False)
+
+    def prefetch(self, handle: int) -> None:
+        super().prefetch(handle)
+        self._count(self.fetched.get(handle))
+
+    def get(self, handle: int) -> torch.Tensor:
+        value = super().get(handle)
+        self._count(value)
+        return value
+
+
+def with_store(
+    loss: Callable[[torch.Tensor], torch.Tensor], store: HostStore
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``loss`` with its regions' offloaded values sent to ``store``."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with use_host_store(store):
+            return loss(x)
+
+    return run
+
+
+def measure_with_meter(
+    loss: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, store: MeteredFakeStore
+) -> MemoryReport:
+    """`remat.measure_memory` on CPU, counting what ``store`` brings back as device bytes."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with MemoryMeter() as meter:
+            store.meter = meter
+            meter.add_baseline(x)
+            out = loss(x)
+            held, baseline = meter.current, meter.baseline
+            out.backward()
+            del out
+            return MemoryReport(meter.peak, held, baseline)
+    finally:
+        store.meter = None
+        if was_enabled:
+            gc.enable()
+
+
+def make_losses(
+    model: demo.Stack, stores: dict[str, HostStore] | None = None, fake_offload: bool = True
+) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Every variant as a function from the input to the scalar loss.
+
+    Offload variants get a store of their own, recorded in ``stores`` by label.
+    """
+    stores = {} if stores is None else stores
     losses: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     for label, how in TORCH_VARIANTS:
         losses[label] = lambda x, how=how: model.loss(x, how)
@@ -81,7 +164,17 @@ def make_losses(model: demo.Stack) -> dict[str, Callable[[torch.Tensor], torch.T
 
     losses[SEQUENTIAL] = sequential
     for policy in REMAT_POLICIES:
-        losses[f"remat {policy}"] = lambda x, how=policy: model.loss(x, how)
+        label = f"remat {policy}"
+        losses[label] = lambda x, how=policy: model.loss(x, how)
+        if policy.startswith("offload"):
+            # A store per variant, so its host bytes are this variant's alone.
+            stores[label] = CudaHostStore()
+            losses[label] = with_store(losses[label], stores[label])
+            if fake_offload:
+                stores[FAKE_OFFLOAD] = MeteredFakeStore()
+                losses[FAKE_OFFLOAD] = with_store(
+                    lambda x, how=policy: model.loss(x, how), stores[FAKE_OFFLOAD]
+                )
     return losses
 
 
@@ -113,16 +206,25 @@ def progress(done: int, total: int, what: str) -> None:
     sys.stderr.flush()
 
 
-def measure(model: demo.Stack, x: torch.Tensor, repeats: int) -> list[Row]:
+def measure(
+    model: demo.Stack, x: torch.Tensor, repeats: int, fake_offload: bool = True
+) -> list[Row]:
     """Memory and gradients once per variant, then interleaved timed repetitions."""
-    losses = make_losses(model)
+    stores: dict[str, HostStore] = {}
+    losses = make_losses(model, stores, fake_offload)
     labels = list(losses)
     total = len(labels) * (1 + repeats)
-    memory, grads = {}, {}
+    memory, grads, host = {}, {}, {}
     for i, label in enumerate(labels):
         progress(i, total, label)
         model.zero_grad(set_to_none=True)
-        memory[label] = measure_step(losses[label], x)
+        store = stores.get(label)
+        if isinstance(store, MeteredFakeStore) and x.device.type == "cpu":
+            memory[label] = measure_with_meter(losses[label], x, store)
+        else:
+            memory[label] = measure_step(losses[label], x)
+        # Pooled host buffers after one fresh step: what it offloaded at most at once.
+        host[label] = store.host_bytes if store is not None else 0
         grads[label] = grads_of(model, losses[label], x)
     times: dict[str, list[float]] = {label: [] for label in labels}
     for r in range(repeats):
@@ -138,6 +240,7 @@ def measure(model: demo.Stack, x: torch.Tensor, repeats: int) -> list[Row]:
             label,
             memory[label].peak_bytes,
             memory[label].held_bytes,
+            host[label],
             median[label] / median["no remat"],
             median[label] / median["torch checkpoint"],
             max((a - b).abs().max().item() for a, b in zip(grads[label], ref, strict=True)),
@@ -176,16 +279,17 @@ def markdown(rows: Sequence[Row]) -> str:
     """The Markdown table of the results."""
     header = (
         "variant",
-        "peak bytes",
-        "held bytes",
+        "device peak bytes",
+        "device held bytes",
+        "host bytes",
         "time / no remat",
         "time / torch checkpoint",
         "max grad diff",
     )
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * 5) + "|"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * 6) + "|"]
     for r in rows:
         lines.append(
-            f"| {r.variant} | {r.peak_bytes:,} | {r.held_bytes:,} | "
+            f"| {r.variant} | {r.peak_bytes:,} | {r.held_bytes:,} | {r.host_bytes:,} | "
             f"{r.time_vs_none:.2f}x | {r.time_vs_torch:.2f}x | {r.max_grad_diff:.1e} |"
         )
     return "\n".join(lines)
@@ -215,12 +319,18 @@ def main(argv: Sequence[str] | None = None, small: bool = False) -> dict[str, An
         defaults |= {"depth": 2, "width": 16, "heads": 2, "batch": 2, "seq": 8, "repeats": 1}
     for name, default in defaults.items():
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument(
+        "--fake-offload",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="add the offload-dots row with a CPU-to-CPU fake host store (a simulation)",
+    )
     parser.add_argument("--json", default=str(pathlib.Path(__file__).with_name("results.json")))
     args = parser.parse_args([] if argv is None and small else argv)
     torch.set_num_threads(args.threads)
     model = demo.Stack(depth=args.depth, width=args.width, heads=args.heads)
     x = demo.make_input(model, batch=args.batch, seq=args.seq)
-    rows = measure(model, x, args.repeats)
+    rows = measure(model, x, args.repeats, args.fake_offload)
     func = under_torch_func_grad(model, x)
     config = {k: getattr(args, k) for k in defaults}
     print(f"GPT-style stack {config}, float32, CPU; {machine()}")

@@ -117,6 +117,11 @@ class HostStore(abc.ABC):
         self.min_bytes = min_bytes
         self.prefetch_distance = prefetch_distance
 
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory this store has allocated (pooled, reused across steps)."""
+        return 0
+
     def accepts(self, t: torch.Tensor) -> bool:
         """Whether ``t`` can be offloaded: large enough and densely laid out."""
         return t.numel() > 0 and _nbytes(t) >= self.min_bytes and _dense(t)
@@ -328,6 +333,8 @@ class _PinnedPool:
         self.busy: list[tuple[torch.Tensor, Any]] = []  # (buffer, event still running)
         #: Buffers ever allocated (the pool's size: bounded when steps reuse them).
         self.allocated = 0
+        #: Their bytes: the host memory the pool holds.
+        self.bytes = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
         self._reclaim()
@@ -335,6 +342,7 @@ class _PinnedPool:
         if free:
             return free.pop()
         self.allocated += 1
+        self.bytes += nbytes
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
     def give_back(self, buffer: torch.Tensor, event: Any = None) -> None:
@@ -392,6 +400,11 @@ class CudaHostStore(HostStore):
 
     def accepts(self, t: torch.Tensor) -> bool:
         return t.is_cuda and super().accepts(t)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of pinned host buffers in the pool (in use or free)."""
+        return self.pool.bytes
 
     def _side_streams(self, device: torch.device) -> tuple[Any, Any]:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -480,6 +493,11 @@ class FakeHostStore(HostStore):
 
     def accepts(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu" and super().accepts(t)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the (unpinned) buffers in the pool (in use or free)."""
+        return self.pool.bytes
 
     def calls(self, verb: str) -> list[Handle]:
         """The handles passed to ``verb`` ("put", "prefetch", "get", "release"), in order."""

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import remat
-from remat import MemoryReport
+from remat import MemoryReport, measure_memory
 from remat import _demo_model as demo
-from remat import measure_memory
 from remat._memory import MemoryMeter
 
 F32 = 4

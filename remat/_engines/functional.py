@@ -42,7 +42,8 @@ NOTE [ The functional engine ]
    ``create_graph``) keep it, as they must. Compute: policy-saved ops are
    replayed, not rerun, in every composition without a forward-mode level
    (rule 3); under ``jvp``, ``jacfwd`` and ``hessian`` the region is recomputed
-   in full. ``OFFLOAD`` decisions are kept on the device (no host offload here).
+   in full. ``OFFLOAD`` decisions go to the host store where replay is used
+   (rule 8), and stay on the device under a forward-mode level.
 6. ``save_last``: the most recent region records every output; when the next
    ``save_last`` region starts its forward, the previous one releases what its
    base policy would not have kept.
@@ -53,6 +54,23 @@ NOTE [ The functional engine ]
    respect to the inputs some level differentiates, and the backward's ``vjp``
    differentiates the same inputs: both see the same physical ops, which replay
    and its determinism check need.
+8. Offload (NOTE [ Offload: streams, events, prefetch ] in ``_offload.py``). At
+   the end of a recorded forward, each kept output whose decision is
+   ``OFFLOAD`` goes to the region's store (``Region.offload_store``, else
+   `current_store`) as an `Offloaded` entry ordered (serial, op index,
+   position); the record keeps a ``meta`` placeholder and drops the device
+   copy; `_Call` holds the entries (not ``save_for_backward``: they are
+   plain values, below every level). Kept on the device instead: what the
+   store does not accept, values sharing storage with a region input, a
+   parameter or a region output, values mutated since kept, ``save_last``
+   regions, calls no level differentiates, calls inside a recompute, and
+   calls under a forward-mode level (no replay there, rule 3). A replaying
+   backward fetches the entries back into the records newest first (store
+   copies run below every mode and level, `_below_all_levels`), and lets
+   them go after: a later backward of the same call (a ``vjp_fn`` called
+   twice) reruns those ops instead of fetching twice. Fetched values are
+   plain tensors like the ones recorded, so the levels above record their
+   replayed ops and ``grad(grad)`` stays exact.
 """
 
 from __future__ import annotations
@@ -67,15 +85,16 @@ import optree
 import torch
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .._autocast import AutocastState
 from .._closure import Bindings, find_closed_over
 from .._errors import RematError
+from .._offload import Offloaded, current_store, next_serial, offload
 from .._region import Region
-from .._replay import OpLog, RecordMode, ReplayMode
+from .._replay import OpLog, OpRecord, RecordMode, ReplayMode
 from .._rng import RngState
-from .._state import local, recomputing
+from .._state import is_recomputing, local, recomputing
 from ..policies import Decision, Policy
 
 __all__ = ["run_functional"]
@@ -161,6 +180,8 @@ class _Call:
         self.guard: _HiddenInputGuard | None = None
         self.rng: RngState | None = None
         self.autocast = AutocastState.capture()
+        #: Offloaded kept outputs (NOTE rule 8): (record, position, entry).
+        self.offloaded: list[tuple[OpRecord, int, Offloaded]] = []
 
     def run(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Call ``fn`` with ``tensors`` in place of the inputs; return its tensor outputs."""
@@ -174,9 +195,18 @@ class _Call:
         out_leaves, out_treedef = optree.tree_flatten(out, none_is_leaf=False)
         positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
         if self.out_treedef is None:
+            # Keep the structure and dtypes only: an output of the recorded forward
+            # is a wrapper of its inner ``vjp`` level, whose graph would keep every
+            # activation of the region alive as long as this call lives.
+            with _below_all_levels():
+                stand_ins = [
+                    torch.empty(0, dtype=x.dtype, device="meta")
+                    if isinstance(x, torch.Tensor) else x
+                    for x in out_leaves
+                ]
             self.out_treedef, self.out_leaves, self.out_positions = (
                 out_treedef,
-                out_leaves,
+                stand_ins,
                 positions,
             )
         elif out_treedef != self.out_treedef or positions != self.out_positions:
@@ -249,9 +279,71 @@ class _Call:
                 with RecordMode(self.log):
                     out = self.run_as_differentiated(tensors)
         self.guard = None
+        if self.log is not None:
+            self.offload_kept(tensors, out)
         # autograd.Function refuses to save an input it also returns as-is: return a view.
         given = {id(t) for t in tensors}
         return tuple(t.view_as(t) if id(t) in given else t for t in out)
+
+    # -- offload (NOTE rule 8) -------------------------------------------------
+
+    def offload_kept(self, tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:
+        """End of forward: move kept ``OFFLOAD`` outputs to the host store."""
+        log = self.log
+        assert log is not None, "this is a bug in remat, please report it"
+        if (
+            not self.differentiated  # no backward will come
+            or is_recomputing()  # needed again at once
+            or _forward_ad_active()  # the backward recomputes in full (rule 3)
+            or self.region.policy.keeps_last_region
+        ):
+            return
+        # Region inputs, parameters (inputs here) and outputs are alive anyway:
+        # a value sharing storage with one of them frees nothing when moved.
+        alive = {_storage(_base(t)) for t in (*tensors, *out)}
+        store = None
+        serial = next_serial()
+        for index, record in enumerate(log.records):
+            if record.kept is None or record.versions is None:
+                continue
+            for position, t in enumerate(record.kept):
+                if (
+                    t is None
+                    or record.decision_at(position) is not Decision.OFFLOAD
+                    or t._version != record.versions[position]
+                    or _storage(t) in alive
+                ):
+                    continue
+                if store is None:
+                    store = current_store(self.region.offload_store)
+                with _below_all_levels():  # the copies are ours, not the region's ops
+                    entry = offload(t.detach(), store, (serial, index, position))
+                    placeholder = _placeholder(t) if entry is not None else None
+                if entry is None or placeholder is None:
+                    continue
+                record.kept[position] = placeholder
+                record.versions[position] = placeholder._version
+                self.offloaded.append((record, position, entry))
+
+    def restore_offloaded(self) -> list[tuple[OpRecord, int]]:
+        """Backward: fetch offloaded outputs back into the records, newest first."""
+        restored = []
+        for record, position, entry in sorted(self.offloaded, key=lambda e: e[2].seq, reverse=True):
+            if record.kept is None or record.versions is None:
+                continue
+            with _below_all_levels():
+                value = entry.get()
+            record.kept[position] = value
+            record.versions[position] = value._version
+            restored.append((record, position))
+        return restored
+
+    def drop_offloaded(self) -> None:
+        """After a replayed backward: the fetched values go; a later backward reruns their ops."""
+        for record, position, _ in self.offloaded:
+            if record.kept is not None:
+                record.kept[position] = None
+        self.offloaded.clear()
 
     @contextlib.contextmanager
     def recompute(self, replay: bool) -> Iterator[None]:
@@ -301,8 +393,15 @@ class _RematFunction(torch.autograd.Function):
         # A level that has exited (a vjp_fn called after its vjp returned) left dead
         # wrappers; unwrap them as functorch does for saved values of aten ops.
         inputs = tuple(_functorch.unwrap_if_dead(t) for t in inputs)
-        with contextlib.nullcontext() if keep_graph else torch.no_grad():
-            found = _recompute_vjp(call, inputs, wanted, grads, replay=not _forward_ad_active())
+        replay = not _forward_ad_active()
+        if replay:
+            call.restore_offloaded()
+        try:
+            with contextlib.nullcontext() if keep_graph else torch.no_grad():
+                found = _recompute_vjp(call, inputs, wanted, grads, replay=replay)
+        finally:
+            if replay:
+                call.drop_offloaded()
         result: list[torch.Tensor | None] = [None] * len(inputs)
         for i, g in zip(wanted, found, strict=True):
             result[i] = g
@@ -397,6 +496,26 @@ def _base(t: torch.Tensor) -> torch.Tensor:
     while _functorch.is_functorch_wrapped_tensor(t):
         t = _functorch.get_unwrapped(t)
     return t
+
+
+@contextlib.contextmanager
+def _below_all_levels() -> Iterator[None]:
+    """Plain tensor ops, seen by no dispatch mode and no functorch level (store copies)."""
+    with _disable_current_modes(), torch._C._DisableFuncTorch():
+        yield
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage; 0 when it has none (sparse, empty)."""
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def _placeholder(t: torch.Tensor) -> torch.Tensor:
+    # Stands in a record for an offloaded output until the backward fetches it.
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
 def _forward_ad_active() -> bool:
