@@ -102,7 +102,7 @@ class OpRecord:
     named: dict[int, tuple[str, Decision]] | None = None
     #: Indices of the records that produced this op's tensor inputs (NOTE rule 5).
     inputs: tuple[int, ...] = ()
-    #: (shape, stride, dtype, device) of each output, to stand in for a dead op.
+    #: (shape, stride, dtype) of each output, to stand in for a dead op.
     metas: tuple[tuple[Any, ...], ...] = ()
     #: The op's Python-number arguments: the recompute must pass the same (a
     #: function reading Python state that changed since would compute else).
@@ -135,17 +135,24 @@ class OpRecord:
             self.versions[position] = -1
 
     def fully_replayable(self) -> bool:
-        kept = self.replayable()
-        return kept is not None and all(t is not None for t in kept)
+        return self.replay_state()[1]
 
     def replayable(self) -> list[torch.Tensor | None] | None:
         """The kept outputs if none was mutated since, else None."""
-        if self.kept is None or self.versions is None:
-            return None
-        for tensor, version in zip(self.kept, self.versions, strict=True):
-            if tensor is not None and tensor._version != version:
-                return None
-        return self.kept
+        return self.replay_state()[0]
+
+    def replay_state(self) -> tuple[list[torch.Tensor | None] | None, bool]:
+        """`replayable` and whether every output is kept, in one pass (a hot path)."""
+        kept, versions = self.kept, self.versions
+        if kept is None or versions is None:
+            return None, False
+        full = True
+        for tensor, version in zip(kept, versions, strict=True):
+            if tensor is None:
+                full = False
+            elif tensor._version != version:
+                return None, False
+        return kept, full
 
 
 class OpLog:
@@ -167,7 +174,7 @@ class OpLog:
         outputs = _flat_tensors(out)
         traits = _traits(op)
         if traits.writes:
-            self._invalidate_written(op, args, kwargs)
+            self._invalidate_written(traits, args, kwargs)
         effectful = traits.writes or _draws_random(traits, args, kwargs)
         if effectful:
             verdict: Hashable = None
@@ -176,9 +183,8 @@ class OpLog:
             verdict = self.policy.decide_op(op, args, kwargs)
             decision = self.policy.decide(verdict, None)
         rec = OpRecord(op, verdict, decision, index)
-        rec.inputs = self._producers(args, kwargs)
-        rec.scalars = _scalars(args, kwargs)
-        rec.metas = tuple((t.shape, t.stride(), t.dtype, t.device) for t in outputs)
+        rec.inputs, rec.scalars = _scan(args, kwargs, self.serial)
+        rec.metas = tuple([(t.shape, t.stride(), t.dtype) for t in outputs])
         rec.always_live = effectful or traits.reads_data
         self.records.append(rec)
         # A named output of a multi-output op (attention's output beside its
@@ -198,20 +204,15 @@ class OpLog:
         if address:
             self.kept_storages.setdefault(address, []).append((rec, position))
 
-    def _invalidate_written(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        for tensor in _written(op, args, kwargs):
+    def _invalidate_written(
+        self, traits: _Traits, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        for tensor in _written(traits, args, kwargs):
             for rec, position in self.kept_storages.get(tensor.untyped_storage().data_ptr(), ()):
                 rec.mark_mutated(position)
 
     def _producers(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
-        found = []
-        for arg in itertools.chain(args, kwargs.values()):
-            items = arg if isinstance(arg, (list, tuple)) else (arg,)
-            for item in items:
-                tag = getattr(item, TAG, None) if isinstance(item, torch.Tensor) else None
-                if tag is not None and tag[0] == self.serial:
-                    found.append(tag[1])
-        return tuple(found)
+        return _scan(args, kwargs, self.serial)[0]
 
     def liveness(self, needed: list[int]) -> list[bool]:
         """Which records a recompute must run to produce the records in ``needed``."""
@@ -221,7 +222,7 @@ class OpLog:
         regions = sorted(self.regions, reverse=True)
         for index in range(len(self.records) - 1, -1, -1):
             rec = self.records[index]
-            if live[index] and not rec.fully_replayable():  # replayed: needs no input
+            if live[index] and not rec.replay_state()[1]:  # replayed: needs no input
                 for producer in rec.inputs:
                     live[producer] = True
             while regions and regions[0][0] >= index:
@@ -237,8 +238,9 @@ class OpLog:
         # it: when anything in it is live, all of it and its inputs are.
         for index in range(start, end):
             live[index] = True
-            if not self.records[index].fully_replayable():
-                for producer in self.records[index].inputs:
+            rec = self.records[index]
+            if not rec.replay_state()[1]:
+                for producer in rec.inputs:
                     live[producer] = True
         for producer in producers:
             live[producer] = True
@@ -302,15 +304,13 @@ _DATA_TAGS = tuple(
 )
 
 
-def _written(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+def _written(traits: _Traits, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors an in-place or ``out=`` op writes to."""
     written = []
-    for position, argument in enumerate(op._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        if argument.name in kwargs:
-            value = kwargs[argument.name]
-        elif position < len(args) and not argument.kwarg_only:
+    for position, name, kwarg_only in traits.written:
+        if name in kwargs:
+            value = kwargs[name]
+        elif position < len(args) and not kwarg_only:
             value = args[position]
         else:
             continue
@@ -331,6 +331,10 @@ class _Traits:
     #: Python may read its result (``item()``, data-dependent shapes).
     reads_data: bool
     view: bool
+    #: Arguments the op writes to: (position, name, keyword-only).
+    written: tuple[tuple[int, str, bool], ...]
+    #: How `_rebuild` packs replayed outputs: a tensor, a list or a tuple.
+    returns: str
 
 
 _TRAITS: dict[Any, _Traits] = {}
@@ -357,7 +361,22 @@ def _compute_traits(op: Any) -> _Traits:
         or getattr(op, "overloadpacket", None) in _DATA_READERS
         or any(tag in tags for tag in _DATA_TAGS),
         view=_ops.is_view(op),
+        written=tuple(
+            (position, argument.name, bool(argument.kwarg_only))
+            for position, argument in enumerate(op._schema.arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write
+        ),
+        returns=_return_kind(op),
     )
+
+
+def _return_kind(op: Any) -> str:
+    returns = op._schema.returns
+    if len(returns) == 1 and str(returns[0].type) == "Tensor":
+        return "tensor"
+    if len(returns) == 1 and "[]" in str(returns[0].type):
+        return "list"
+    return "tuple"
 
 
 def _draws_random(traits: _Traits, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -374,13 +393,38 @@ def _draws_random(traits: _Traits, args: tuple[Any, ...], kwargs: dict[str, Any]
     return bool(kwargs.get("dropout_p", args[position] if position < len(args) else 0.0))
 
 
+_NUMBERS = (bool, int, float, complex)
+
+
 def _scalars(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """The Python numbers among an op's arguments (NaN as a string, so it equals itself)."""
     found: list[Any] = []
-    for arg in itertools.chain(args, kwargs.values()):
-        if isinstance(arg, (bool, int, float, complex)):
+    for arg in itertools.chain(args, kwargs.values()) if kwargs else args:
+        if isinstance(arg, _NUMBERS):
             found.append("nan" if arg != arg else arg)
     return tuple(found)
+
+
+def _scan(
+    args: tuple[Any, ...], kwargs: dict[str, Any], serial: int
+) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    """`OpRecord.inputs` (producers in the log ``serial``) and `_scalars`, in one pass."""
+    producers: list[int] = []
+    scalars: list[Any] = []
+    for arg in itertools.chain(args, kwargs.values()) if kwargs else args:
+        if isinstance(arg, torch.Tensor):
+            tag = getattr(arg, TAG, None)
+            if tag is not None and tag[0] == serial:
+                producers.append(tag[1])
+        elif isinstance(arg, (list, tuple)):
+            for item in arg:
+                if isinstance(item, torch.Tensor):
+                    tag = getattr(item, TAG, None)
+                    if tag is not None and tag[0] == serial:
+                        producers.append(tag[1])
+        elif isinstance(arg, _NUMBERS):
+            scalars.append("nan" if arg != arg else arg)
+    return tuple(producers), tuple(scalars)
 
 
 def _flat_tensors(out: Any) -> list[torch.Tensor]:
@@ -434,7 +478,17 @@ class ReplayMode(TorchDispatchMode):
         self.check = check
         self.live = live
         self.index = 0
-        self.ran: list[Any] = []
+        # The ops the recompute ran, for error messages. While every op matches
+        # the forward (``check``) they are the forward's first ``index`` ops, so
+        # they are listed only once one did not (or when nothing checks them).
+        self._ran: list[Any] | None = None if check else []
+
+    @property
+    def ran(self) -> list[Any]:
+        """The ops the recompute ran so far (``detach`` aside)."""
+        if self._ran is not None:
+            return self._ran
+        return [rec.op for rec in self.log.records[: self.index]]
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -446,27 +500,33 @@ class ReplayMode(TorchDispatchMode):
         self.index += 1
         records = self.log.records
         rec = records[index] if index < len(records) else None
-        self.ran.append(func)
-        if self.check and (rec is None or rec.op != func):
-            raise self.mismatch(index, func)
-        if self.check and rec is not None and rec.scalars != _scalars(args, kwargs):
-            raise self.mismatch(index, func, rec.scalars, _scalars(args, kwargs))
-        kept = rec.replayable() if rec is not None else None
-        if kept is not None and all(t is not None for t in kept):
-            return _rebuild(func, [detached_alias(t) for t in kept if t is not None])
-        if self._dead(index) and rec is not None and not _traits(func).view:
+        if self._ran is not None:
+            self._ran.append(func)
+        if self.check:
+            if rec is None or rec.op != func:
+                raise self.mismatch(index, func)
+            scalars = _scalars(args, kwargs)
+            if rec.scalars != scalars:
+                raise self.mismatch(index, func, rec.scalars, scalars)
+        if rec is None:
+            return func(*args, **kwargs)
+        kept, full = rec.replay_state()
+        if full:
+            assert kept is not None, "this is a bug in remat, please report it"
+            return _rebuild(func, _detached_aliases(kept))
+        if self.live is not None and not self.live[index] and not _traits(func).view:
             return _rebuild(func, [_stand_in(meta) for meta in rec.metas])
         out = func(*args, **kwargs)
         if kept is not None:
             out = _substitute(out, kept)
         return out
 
-    def _dead(self, index: int) -> bool:
-        return self.live is not None and not self.live[index]
-
     def mismatch(
         self, index: int, func: Any, forward_scalars: Any = None, recompute_scalars: Any = None
     ) -> NondeterministicRecomputeError:
+        if self._ran is None:
+            # The ops before ``index`` matched the forward's; from here on, list each.
+            self._ran = [rec.op for rec in self.log.records[:index]] + [func]
         forward = self.log.op_names()
         expected = forward[index] if index < len(forward) else "(the forward had ended)"
         if forward_scalars is None:
@@ -494,17 +554,23 @@ def _stand_in(meta: tuple[Any, ...]) -> torch.Tensor:
     (``tolist()``, ``numpy()``) or a stand-in escaping into Python state fails
     loudly instead of passing garbage on.
     """
-    shape, stride, dtype, _ = meta
+    shape, stride, dtype = meta
     return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
 
 
 def _rebuild(func: Any, tensors: list[torch.Tensor]) -> Any:
-    returns = func._schema.returns
-    if len(returns) == 1 and str(returns[0].type) == "Tensor":
+    kind = _traits(func).returns
+    if kind == "tensor":
         return tensors[0]
-    if len(returns) == 1 and "[]" in str(returns[0].type):
+    if kind == "list":
         return list(tensors)
     return tuple(tensors)
+
+
+def _detached_aliases(kept: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """`detached_alias` of each kept output, under one guard (a hot path)."""
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return [t.detach() for t in kept if t is not None]
 
 
 def _substitute(out: Any, kept: list[torch.Tensor | None]) -> Any:

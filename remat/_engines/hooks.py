@@ -109,6 +109,8 @@ class _Frame:
         self.decision = None if policy.needs_op_trace else policy.decision_without_ops()
         self.keep_all = policy.keeps_last_region
         self.holders: list[weakref.ref[_Holder]] = []
+        self.check = region.determinism_check
+        #: (shape, dtype, device) of each saved tensor; kept only for the determinism check.
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.rng = RngState.capture(self.inputs) if region.preserve_rng_state else None
         self.autocast = AutocastState.capture()
@@ -147,7 +149,8 @@ class _Frame:
     def pack(self, t: torch.Tensor) -> _Holder:
         holder = _Holder(self, len(self.holders))
         self.holders.append(weakref.ref(holder))
-        self.metas.append((t.shape, t.dtype, t.device))
+        if self.check:
+            self.metas.append((t.shape, t.dtype, t.device))
         if self.log is not None:
             holder.clock = len(self.log.records)
         decision = self.decide(t, holder)
@@ -284,11 +287,13 @@ class _Frame:
             if not is_live:
                 record.release()
 
-    def liveness(self) -> list[bool]:
+    def liveness(self, alive: list[_Holder] | None = None) -> list[bool]:
         assert self.log is not None, "this is a bug in remat, please report it"
-        needed = [h.source[0].index for h in self._alive() if h.tensor is None and h.source]
+        if alive is None:
+            alive = self._alive()
+        needed = [h.source[0].index for h in alive if h.tensor is None and h.source]
         live = self.log.liveness(needed)
-        clock = max((h.clock for h in self._alive() if h.tensor is None), default=0)
+        clock = max((h.clock for h in alive if h.tensor is None), default=0)
         return [is_live and i < clock for i, is_live in enumerate(live)]
 
     def demote(self) -> None:
@@ -342,13 +347,14 @@ class _Frame:
         )
 
     def recompute(self) -> None:
-        self.needed = {h.index: h for h in self._alive() if h.tensor is None}
+        alive = self._alive()
+        self.needed = {h.index: h for h in alive if h.tensor is None}
         if not self.needed:
             return
         self.check_inputs()
         self.stop_at = max(self.needed)
         restored = self.restore_offloaded(max(h.clock for h in self.needed.values()))
-        live = self.liveness() if self.log is not None else None
+        live = self.liveness(alive) if self.log is not None else None
         replay = self._replay(live)
         # Backward inside the region's own forward (``torch.autograd.grad`` in
         # ``fn``): the recording mode must not see the recompute's ops.
@@ -369,7 +375,7 @@ class _Frame:
         if missing:
             raise NondeterministicRecomputeError(
                 f"remat: the recompute of {self.region.label} saved fewer tensors than its "
-                f"forward ({next(self.recompute_counter)} instead of {len(self.metas)}): "
+                f"forward ({next(self.recompute_counter)} instead of {len(self.holders)}): "
                 "the function ran different ops the second time. Make its control flow "
                 "depend only on its inputs, or use policy='everything-saveable'."
                 + self._logs(replay)
@@ -427,7 +433,7 @@ class _Frame:
         index = next(self.recompute_counter)
         tensor = value if isinstance(value, torch.Tensor) else t
         assert tensor is not None, "this is a bug in remat, please report it"
-        if self.region.determinism_check:
+        if self.check:
             self.check_meta(index, tensor)
         kept = tensor.detach()
         holder = self.needed.get(index)
