@@ -453,3 +453,18 @@ def test_functional_forward_mode_keeps_values_on_device() -> None:
     )
     torch.testing.assert_close(actual, expected)
     assert store.log == []
+
+
+def test_outputs_nothing_reads_are_not_copied_to_the_host() -> None:
+    # The matmul's output feeds only the residual add, which saves nothing:
+    # neither backward nor the recompute reads it, so it is not worth a copy.
+    store = FakeHostStore(min_bytes=0)
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x + torch.sin(x) @ w
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    out = remat.remat(f, policy="offload-dots", offload_store=store)(x, w)
+    assert [verb for verb, _ in store.log] == []
+    got = torch.autograd.grad(out.sum(), (x, w))
+    assert_close_all(got, torch.autograd.grad(f(x, w).sum(), (x, w)))

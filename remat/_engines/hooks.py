@@ -189,7 +189,8 @@ class _Frame:
         if self.log is None:
             return
         self.log.end_forward()
-        self.offload_kept(out)
+        # Only outputs something will read are worth a copy to the host.
+        self.offload_kept(out, None if self.keep_all else self.liveness())
         for holder in self._alive():
             if holder.tensor is None and holder.source is not None:
                 record, position = holder.source
@@ -241,12 +242,18 @@ class _Frame:
                 record.kept[position] = None  # mutated since kept: the op runs again
         return entry
 
-    def offload_kept(self, out: Any) -> None:
-        """End of forward: put kept ``OFFLOAD`` outputs that no holder took yet."""
+    def offload_kept(self, out: Any, live: list[bool] | None) -> None:
+        """End of forward: put kept ``OFFLOAD`` outputs that no holder took yet.
+
+        With ``live`` (the recompute's liveness), outputs of dead ops are left to
+        be released instead.
+        """
         assert self.log is not None, "this is a bug in remat, please report it"
         outputs = {getattr(t, TAG, None) for t in tensor_leaves(out)}
         for index, record in enumerate(self.log.records):
             if record.kept is None or record.versions is None:
+                continue
+            if live is not None and not live[index]:
                 continue
             for position, t in enumerate(record.kept):
                 if (
