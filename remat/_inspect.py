@@ -3,7 +3,7 @@
 NOTE [ How saved_residuals looks inside a region ]
 1. It builds a `Region` with ``debug=True`` (so the eager engine keeps an op log
    for every policy, even those that do not need one) and runs one eager
-   `_Frame`'s forward itself, exactly as ``remat.remat`` would, then reads the
+   `Frame`'s forward itself, exactly as ``remat.remat`` would, then reads the
    frame's holders: a holder whose ``tensor`` is set is kept for backward.
 2. The frame's pack hook is wrapped to note, per holder, whether autograd saved
    a region input (found by identity, as the engine does), a parameter or a
@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import policies as _policies
-from ._engines.hooks import _Frame, _Holder, _keeps_everything
+from ._engines.hooks import Frame, Holder
 from ._memory import ComputeOpCounter
 from ._region import Region, describe_callable
 from ._replay import TAG, OpRecord
@@ -186,7 +186,7 @@ def format_residuals(residuals: Sequence[Residual]) -> str:
     return _table(rows, numeric={2}) + "\n" + footer
 
 
-class _InspectFrame(_Frame):
+class _InspectFrame(Frame):
     """An eager frame that notes which saved tensors are inputs, parameters or captured."""
 
     def __init__(
@@ -199,7 +199,7 @@ class _InspectFrame(_Frame):
     ) -> None:
         super().__init__(region, args, kwargs)
         #: The engine runs such a policy as plain autograd (no op log): everything saved.
-        self.plain = _keeps_everything(dataclasses.replace(region, debug=False))
+        self.plain = region.policy.keeps_everything
         self.input_paths = input_paths
         self.param_names = {id(t): name for name, t in params.items()}
         #: holder index -> where the tensor comes from, for tensors alive anyway.
@@ -211,11 +211,11 @@ class _InspectFrame(_Frame):
         for t in self.inputs:
             self.base.setdefault(_ptr(t), "argument " + input_paths.get(id(t), "?"))
 
-    def decide(self, t: torch.Tensor, holder: _Holder) -> Decision:
+    def decide(self, t: torch.Tensor, holder: Holder) -> Decision:
         decision = super().decide(t, holder)
         return Decision.SAVE if self.plain else decision
 
-    def pack(self, t: torch.Tensor) -> _Holder:
+    def pack(self, t: torch.Tensor) -> Holder:
         holder = super().pack(t)
         origin = None
         if id(t) in self.input_ids:
@@ -236,7 +236,7 @@ _Item = tuple[torch.Tensor, DecisionLike, str | None, Any, str]
 def _held(frame: _InspectFrame, sources: _SourceMode) -> list[Residual]:
     """Everything the frame holds: tensors in live holders and op outputs kept in the log."""
     items: list[_Item] = []
-    for holder in frame._alive():  # holders autograd still references
+    for holder in frame.alive():  # holders autograd still references
         if isinstance(holder.tensor, torch.Tensor):
             items.append(_holder_item(frame, holder, holder.tensor, sources))
     log = frame.log
@@ -250,7 +250,7 @@ def _held(frame: _InspectFrame, sources: _SourceMode) -> list[Residual]:
 
 
 def _holder_item(
-    frame: _InspectFrame, holder: _Holder, t: torch.Tensor, sources: _SourceMode
+    frame: _InspectFrame, holder: Holder, t: torch.Tensor, sources: _SourceMode
 ) -> _Item:
     origin = frame.origins.get(holder.index)
     if origin is not None or holder.source is None or frame.log is None:

@@ -126,6 +126,13 @@ class Policy(abc.ABC):
         return self.decide(self.decide_op(None, (), {}), None)
 
     @property
+    def keeps_everything(self) -> bool:
+        """Whether the policy keeps every output: a region then runs as plain autograd."""
+        if self.needs_op_trace or self.keeps_last_region:
+            return False
+        return self.decision_without_ops() is not Decision.RECOMPUTE
+
+    @property
     def needs_op_trace(self) -> bool:
         """Whether the engine must see every op (a dispatch mode) to apply this policy."""
         return self.uses_ops or self.uses_names

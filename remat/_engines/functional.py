@@ -121,7 +121,7 @@ def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
     """
     fn, args, kwargs = _unpartial(region.fn, args, kwargs)
     policy = region.policy
-    if _keeps_everything(policy):
+    if policy.keeps_everything:
         return fn(*args, **kwargs)  # nothing to recompute: same graph as without remat
     call = _Call(region, fn, args, kwargs)
     flat_out = _RematFunction.apply(call, *call.inputs)  # type: ignore[no-untyped-call]
@@ -137,12 +137,6 @@ def _unpartial(
         kwargs = {**fn.keywords, **kwargs}
         fn = fn.func
     return fn, args, kwargs
-
-
-def _keeps_everything(policy: Policy) -> bool:
-    if policy.needs_op_trace or policy.keeps_last_region:
-        return False
-    return policy.decision_without_ops() is not Decision.RECOMPUTE
 
 
 # ---------------------------------------------------------------------------

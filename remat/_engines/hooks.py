@@ -3,10 +3,10 @@
 NOTE [ The eager engine ]
 1. Forward: ``fn`` runs with grad enabled under `saved_tensors_hooks` (and a
    `RecordMode` when the policy looks at ops or names). Every tensor autograd
-   saves goes through `_Frame.pack`, which returns a `_Holder`: it holds the
+   saves goes through `Frame.pack`, which returns a `Holder`: it holds the
    tensor when the policy keeps it (region inputs and parameters are always
    kept: they are alive anyway), and nothing when the policy drops it.
-2. Backward: the first `_Frame.unpack` of an empty holder recomputes the region
+2. Backward: the first `Frame.unpack` of an empty holder recomputes the region
    once: ``fn`` runs again on detached inputs, with the forward's RNG and
    autocast state, under a `ReplayMode` (kept op outputs are returned instead of
    recomputed) and under hooks that put the k-th saved tensor into the k-th
@@ -63,14 +63,14 @@ from .._rng import RngState
 from .._state import local, recomputing
 from ..policies import Decision
 
-__all__ = ["run_eager"]
+__all__ = ["Frame", "Holder", "run_eager"]
 
 
 class _StopRecompute(Exception):
     """Raised inside a recompute once every tensor backward needs has been collected."""
 
 
-class _Holder:
+class Holder:
     """What autograd keeps for one saved tensor of a region."""
 
     __slots__ = (
@@ -78,12 +78,12 @@ class _Holder:
         "version",
     )
 
-    def __init__(self, frame: _Frame, index: int) -> None:
+    def __init__(self, frame: Frame, index: int) -> None:
         self.frame = frame
         self.index = index
         #: The saved tensor, an inner region's holder (rule 4), an offloaded
         #: entry (rule 6), or None when dropped.
-        self.tensor: torch.Tensor | _Holder | Offloaded | None = None
+        self.tensor: torch.Tensor | Holder | Offloaded | None = None
         #: The record and output position of the op that produced the tensor.
         self.source: tuple[OpRecord, int] | None = None
         #: Ops recorded before this tensor was saved (the recompute must run that far).
@@ -95,7 +95,7 @@ class _Holder:
         self.owned = True
 
 
-class _Frame:
+class Frame:
     """One call of one region: its inputs, its holders, and how to recompute them."""
 
     def __init__(self, region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -108,7 +108,7 @@ class _Frame:
         self.log = OpLog(policy, region.label) if policy.needs_op_trace or region.debug else None
         self.decision = None if policy.needs_op_trace else policy.decision_without_ops()
         self.keep_all = policy.keeps_last_region
-        self.holders: list[weakref.ref[_Holder]] = []
+        self.holders: list[weakref.ref[Holder]] = []
         self.check = region.determinism_check
         #: (shape, dtype, device) of each saved tensor; kept only for the determinism check.
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
@@ -118,10 +118,10 @@ class _Frame:
         self.versions: list[int] = []
         self.mutated_in_forward = False
         #: The frame whose recompute is running this region (rule 4), if any.
-        self.parent: _Frame | None = None
+        self.parent: Frame | None = None
         self.phase = "forward"
         self.recompute_counter: Any = None
-        self.needed: dict[int, _Holder] = {}
+        self.needed: dict[int, Holder] = {}
         self.stop_at = -1
         self.store: HostStore = current_store(region.offload_store)
         self.serial = next_serial()  # orders this frame's offloads after earlier frames'
@@ -146,8 +146,8 @@ class _Frame:
         self.finish_forward(out)
         return out
 
-    def pack(self, t: torch.Tensor) -> _Holder:
-        holder = _Holder(self, len(self.holders))
+    def pack(self, t: torch.Tensor) -> Holder:
+        holder = Holder(self, len(self.holders))
         self.holders.append(weakref.ref(holder))
         if self.check:
             self.metas.append((t.shape, t.dtype, t.device))
@@ -163,7 +163,7 @@ class _Frame:
             self.parent.collect(holder, t)
         return holder
 
-    def decide(self, t: torch.Tensor, holder: _Holder) -> Decision:
+    def decide(self, t: torch.Tensor, holder: Holder) -> Decision:
         if id(t) in self.input_ids or (t.is_leaf and t.requires_grad):
             holder.owned = False
             return Decision.SAVE  # alive anyway: keeping a reference costs nothing
@@ -191,7 +191,7 @@ class _Frame:
         self.log.end_forward()
         # Only outputs something will read are worth a copy to the host.
         self.offload_kept(out, None if self.keep_all else self.liveness())
-        for holder in self._alive():
+        for holder in self.alive():
             if holder.tensor is None and holder.source is not None:
                 record, position = holder.source
                 if (id(record), position) in self.offloaded:
@@ -215,7 +215,7 @@ class _Frame:
             id(base) in self.input_ids or (base.is_leaf and base.requires_grad)
         )
 
-    def offload_saved(self, t: torch.Tensor, holder: _Holder) -> Offloaded | torch.Tensor:
+    def offload_saved(self, t: torch.Tensor, holder: Holder) -> Offloaded | torch.Tensor:
         """Pack: put ``t`` (once per op output) and drop the record's device copy."""
         assert holder.source is not None, "this is a bug in remat, please report it"
         record, position = holder.source
@@ -294,10 +294,10 @@ class _Frame:
             if not is_live:
                 record.release()
 
-    def liveness(self, alive: list[_Holder] | None = None) -> list[bool]:
+    def liveness(self, alive: list[Holder] | None = None) -> list[bool]:
         assert self.log is not None, "this is a bug in remat, please report it"
         if alive is None:
-            alive = self._alive()
+            alive = self.alive()
         needed = [h.source[0].index for h in alive if h.tensor is None and h.source]
         live = self.log.liveness(needed)
         clock = max((h.clock for h in alive if h.tensor is None), default=0)
@@ -306,7 +306,7 @@ class _Frame:
     def demote(self) -> None:
         """Stop being the last `save_last` region: drop what only that status kept."""
         self.keep_all = False
-        for holder in self._alive():
+        for holder in self.alive():
             if holder.demotable:
                 holder.tensor = None
                 holder.demotable = False
@@ -316,13 +316,13 @@ class _Frame:
 
     # -- backward ------------------------------------------------------------
 
-    def unpack(self, holder: _Holder) -> torch.Tensor:
+    def unpack(self, holder: Holder) -> torch.Tensor:
         if isinstance(holder.tensor, torch.Tensor) and holder.tensor._version != holder.version:
             self.written_since_saved(holder)
         if holder.tensor is None:
             self.recompute()
         value = holder.tensor
-        if isinstance(value, _Holder):
+        if isinstance(value, Holder):
             return value.frame.unpack(value)
         if isinstance(value, Offloaded):
             with _disable_current_modes():
@@ -334,7 +334,7 @@ class _Frame:
             )
         return value
 
-    def written_since_saved(self, holder: _Holder) -> None:
+    def written_since_saved(self, holder: Holder) -> None:
         """A kept tensor was modified in place after it was saved.
 
         Plain autograd raises here; saved-tensor hooks switch its check off, so
@@ -354,7 +354,7 @@ class _Frame:
         )
 
     def recompute(self) -> None:
-        alive = self._alive()
+        alive = self.alive()
         self.needed = {h.index: h for h in alive if h.tensor is None}
         if not self.needed:
             return
@@ -429,7 +429,7 @@ class _Frame:
         return stack
 
     def collect(
-        self, value: torch.Tensor | _Holder, t: torch.Tensor | None = None
+        self, value: torch.Tensor | Holder, t: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """Recompute pack hook: the k-th tensor saved goes into the k-th holder.
 
@@ -493,7 +493,8 @@ class _Frame:
             return " Pass debug=True to remat.remat to see both op logs."
         return "\n" + side_by_side(self.log.op_names(), [str(f) for f in replay.ran])
 
-    def _alive(self) -> list[_Holder]:
+    def alive(self) -> list[Holder]:
+        """The holders autograd still references (the others were consumed or dropped)."""
         return [h for h in (ref() for ref in self.holders) if h is not None]
 
 
@@ -516,7 +517,7 @@ def _detached(tree: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _pushed(frame: _Frame | _KeepEverything) -> Any:
+def _pushed(frame: Frame | _KeepEverything) -> Any:
     local.frames.append(frame)
     try:
         yield
@@ -524,7 +525,7 @@ def _pushed(frame: _Frame | _KeepEverything) -> Any:
         local.frames.pop()
 
 
-def _demote_previous(frame: _Frame) -> None:
+def _demote_previous(frame: Frame) -> None:
     previous = local.last_region() if local.last_region is not None else None
     if previous is not None and previous is not frame:
         previous.demote()
@@ -543,7 +544,7 @@ def run_eager(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if _keeps_everything(region):
         with _pushed(_KEEP_EVERYTHING):  # autograd as usual; inner regions run plainly
             return fn(*args, **kwargs)
-    frame = _Frame(region, args, kwargs)
+    frame = Frame(region, args, kwargs)
     if top is not None:
         frame.parent = top  # running inside the outer region's recompute
     elif policy.keeps_last_region:
@@ -552,7 +553,7 @@ def run_eager(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 
 def _run_inside(
-    outer: _Frame | _KeepEverything, fn: Callable[..., Any], args: Any, kwargs: Any
+    outer: Frame | _KeepEverything, fn: Callable[..., Any], args: Any, kwargs: Any
 ) -> Any:
     log = getattr(outer, "log", None)
     if log is None:
@@ -564,10 +565,7 @@ def _run_inside(
 
 
 def _keeps_everything(region: Region) -> bool:
-    policy = region.policy
-    if policy.needs_op_trace or policy.keeps_last_region or region.debug:
-        return False
-    return policy.decision_without_ops() is not Decision.RECOMPUTE
+    return region.policy.keeps_everything and not region.debug  # debug: keep the op log
 
 
 class _KeepEverything:
