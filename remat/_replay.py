@@ -277,8 +277,10 @@ class OpLog:
                 rec.kept[position] = None
         else:
             # Called from user code: Python-level modes (the torch.func engine's
-            # hidden-tensor guard) must not see remat's own bookkeeping.
-            with torch._C.DisableTorchFunction():
+            # hidden-tensor guard) must not see remat's own bookkeeping, nor may a
+            # live functorch level (the recorded forward's inner vjp): detaching
+            # under it would keep a wrapper of a level that dies with the forward.
+            with torch._C.DisableTorchFunction(), torch._C._DisableFuncTorch():
                 self._keep(rec, position, tensor)
 
     def end_forward(self) -> None:
