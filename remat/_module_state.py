@@ -114,7 +114,13 @@ class StateGuard:
             ]
 
     def _swapped(self) -> Iterator[None]:
-        copies = self.seen if self.seen is not None else self._copies()
+        if self.seen is None:
+            # First run inside another region's recompute (nesting): the buffers are
+            # that region's copies of its snapshot, i.e. what this forward saw. Keep
+            # them for this region's own (two-level) recompute, which runs after the
+            # outer one has put the real, updated buffers back.
+            self.seen = self._copies()
+        copies = self.seen
         originals = [(table, name, table[name]) for table, name, _ in copies]
         try:
             with _disable_current_modes(), torch.no_grad():
@@ -126,11 +132,14 @@ class StateGuard:
                 table[name] = buffer
 
 
-def state_guard_of(fn: Callable[..., Any]) -> StateGuard:
-    """A `StateGuard` for ``fn``'s module (``fn`` a module or a bound method of one).
+def state_guard_of(fn: Callable[..., Any], leaves: Iterable[Any] = ()) -> StateGuard:
+    """A `StateGuard` for the modules a region runs.
 
-    The engines' hook for plain ``remat.remat(module)`` regions: when ``fn``
-    belongs to no module, the guard does nothing.
+    Those are ``fn`` itself when it is a module, the module of a bound method,
+    modules among the call's argument ``leaves``, and modules ``fn`` closes
+    over directly (a closure cell holding a module). Modules reached in other
+    ways (a global, an attribute of an argument object) are not guarded: wrap
+    them with `remat.wrap` instead.
 
     Examples:
         >>> import torch, remat
@@ -141,5 +150,20 @@ def state_guard_of(fn: Callable[..., Any]) -> StateGuard:
         >>> int(bn.num_batches_tracked), int(guard.seen[-1][2])
         (1, 0)
     """
+    roots: list[nn.Module] = []
     owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
-    return StateGuard(owner.modules() if isinstance(owner, nn.Module) else ())
+    if isinstance(owner, nn.Module):
+        roots.append(owner)
+    roots.extend(leaf for leaf in leaves if isinstance(leaf, nn.Module))
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, nn.Module):
+            roots.append(value)
+    seen: dict[int, nn.Module] = {}
+    for root in roots:
+        for module in root.modules():
+            seen.setdefault(id(module), module)
+    return StateGuard(seen.values())

@@ -135,8 +135,54 @@ class _RematForward:
         new.original = copy.deepcopy(self.original, memo)
         return new
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickling (``torch.save(model)``): the weak reference becomes the module
+        # itself, which pickle already has in its memo.
+        return {**self.__dict__, "module_ref": self.module_ref()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        module = state.pop("module_ref")
+        self.__dict__.update(state)
+        self.module_ref = weakref.ref(module)
+
     def __repr__(self) -> str:
         return f"<rematerialized forward, policy={self.region.policy!r}>"
+
+
+class _Replicator:
+    """``_replicate_for_data_parallel`` of a wrapped module (``nn.DataParallel``).
+
+    A replica starts as a copy of the module's ``__dict__``, whose ``forward``
+    would run the original module with the original's parameters: point the
+    replica's forward at the replica.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module_ref = weakref.ref(module)
+
+    def __call__(self) -> nn.Module:
+        module = self.module_ref()
+        assert module is not None, "this is a bug in remat, please report it"
+        replica: nn.Module = type(module)._replicate_for_data_parallel(module)
+        replica.__dict__.pop("_replicate_for_data_parallel", None)
+        current = replica.__dict__.get("forward")
+        if isinstance(current, _RematForward):
+            own = copy.copy(current)
+            own.module_ref = weakref.ref(replica)
+            replica.forward = own
+        return replica
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Replicator:
+        module = self.module_ref()
+        target = memo.get(id(module), module)
+        assert target is not None, "this is a bug in remat, please report it"
+        return _Replicator(target)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"module": self.module_ref()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.module_ref = weakref.ref(state["module"])
 
 
 def _bound_forward(module: nn.Module, original: Callable[..., Any] | None) -> Callable[..., Any]:
@@ -203,6 +249,7 @@ def wrap(module: M, /, *, policy: PolicyLike = "nothing-saveable", **remat_optio
     original = current.original if isinstance(current, _RematForward) else current
     resolved = policies.resolve(policy)
     module.forward = _RematForward(module, original, resolved, dict(remat_options))
+    module._replicate_for_data_parallel = _Replicator(module)  # type: ignore[method-assign]
     return module
 
 
@@ -223,6 +270,7 @@ def unwrap(module: M, /) -> M:
                 del sub.forward
             else:
                 sub.forward = current.original
+            sub.__dict__.pop("_replicate_for_data_parallel", None)
     return module
 
 

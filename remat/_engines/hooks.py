@@ -56,7 +56,7 @@ from .._autocast import AutocastState
 from .._errors import NondeterministicRecomputeError, RematError, SavedInputMutatedError
 from .._module_state import state_guard_of
 from .._offload import HostStore, Offloaded, current_store, next_serial, offload
-from .._pytree import tensor_leaves, tree_map
+from .._pytree import flatten, tensor_leaves, tree_map
 from .._region import Region
 from .._replay import TAG, OpLog, OpRecord, RecordMode, ReplayMode, side_by_side
 from .._rng import RngState
@@ -102,7 +102,8 @@ class Frame:
         self.region = region
         self.args = args
         self.kwargs = kwargs
-        self.inputs = tensor_leaves((args, kwargs))
+        leaves, _ = flatten((args, kwargs))
+        self.inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         self.input_ids = {id(t) for t in self.inputs}
         policy = region.policy
         self.log = OpLog(policy, region.label) if policy.needs_op_trace or region.debug else None
@@ -114,7 +115,7 @@ class Frame:
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.rng = RngState.capture(self.inputs) if region.preserve_rng_state else None
         self.autocast = AutocastState.capture()
-        self.state_guard = state_guard_of(region.fn)
+        self.state_guard = state_guard_of(region.fn, leaves)
         self.versions: list[int] = []
         self.mutated_in_forward = False
         #: The frame whose recompute is running this region (rule 4), if any.
