@@ -12,6 +12,7 @@ import torch
 
 from . import policies
 from ._engines.hooks import run_eager
+from ._errors import RematError
 from ._offload import HostStore
 from ._pytree import tensor_leaves
 from ._region import Region, describe_callable
@@ -198,6 +199,12 @@ def call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -
                 f"with {len(args)} positional arguments"
             )
     engine = region.engine
+    if engine == "eager" and _transform_active():
+        raise RematError(
+            f"remat: {region.label} was asked for engine='eager' inside a torch.func "
+            "transform, where saved-tensor hooks do not run. Use engine='auto' (the "
+            "default) or engine='functional' for regions called under torch.func."
+        )
     if engine == "functional" or (engine == "auto" and _transform_active()):
         from ._engines.functional import run_functional
 

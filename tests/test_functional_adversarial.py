@@ -225,7 +225,7 @@ def test_functional_inside_functional(outer: str, inner: str) -> None:
 def test_eager_engine_forced_inside_grad_raises_not_zero() -> None:
     x, w = _gen((4, 5), (5, 5))
     f = remat.remat(_blk, engine="eager")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(remat.RematError, match=r"engine='eager' inside a torch\.func transform"):
         grad(lambda x, w: f(x, w).sum(), argnums=1)(x, w)
 
 
