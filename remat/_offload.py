@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "placeholder_for",
     "CudaHostStore",
     "FakeHostStore",
     "HostStore",
@@ -527,3 +528,8 @@ class FakeHostStore(HostStore):
         self.fetched.pop(handle, None)
         buffer, _ = self.live.pop(handle)
         self.pool.give_back(buffer)
+
+
+def placeholder_for(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor that stands in an op record for an offloaded output until it is fetched."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")

@@ -90,7 +90,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from .._autocast import AutocastState
 from .._closure import Bindings, find_closed_over
 from .._errors import RematError
-from .._offload import Offloaded, current_store, next_serial, offload
+from .._offload import Offloaded, current_store, next_serial, offload, placeholder_for
 from .._region import Region
 from .._replay import OpLog, OpRecord, RecordMode, ReplayMode
 from .._rng import RngState
@@ -312,7 +312,7 @@ class _Call:
                     store = current_store(self.region.offload_store)
                 with _below_all_levels():  # the copies are ours, not the region's ops
                     entry = offload(t.detach(), store, (serial, index, position))
-                    placeholder = _placeholder(t) if entry is not None else None
+                    placeholder = placeholder_for(t) if entry is not None else None
                 if entry is None or placeholder is None:
                     continue
                 record.kept[position] = placeholder
@@ -506,10 +506,6 @@ def _storage(t: torch.Tensor) -> int:
     except (RuntimeError, NotImplementedError):
         return 0
 
-
-def _placeholder(t: torch.Tensor) -> torch.Tensor:
-    # Stands in a record for an offloaded output until the backward fetches it.
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
 def _forward_ad_active() -> bool:

@@ -55,7 +55,14 @@ from torch.utils._python_dispatch import _disable_current_modes
 from .._autocast import AutocastState
 from .._errors import NondeterministicRecomputeError, RematError, SavedInputMutatedError
 from .._module_state import state_guard_of
-from .._offload import HostStore, Offloaded, current_store, next_serial, offload
+from .._offload import (
+    HostStore,
+    Offloaded,
+    current_store,
+    next_serial,
+    offload,
+    placeholder_for,
+)
 from .._pytree import flatten, tensor_leaves, tree_map
 from .._region import Region
 from .._replay import TAG, OpLog, OpRecord, RecordMode, ReplayMode, side_by_side
@@ -231,7 +238,7 @@ class Frame:
             return self.offloaded[key][2]  # the same value saved twice: one copy
         with _disable_current_modes():  # the copies are ours, not the region's ops
             entry = offload(t.detach(), self.store, (self.serial, index, position))
-            placeholder = _placeholder(t)
+            placeholder = placeholder_for(t)
         if entry is None:
             return None
         self.offloaded[key] = (record, index, entry)
@@ -498,10 +505,6 @@ class Frame:
         """The holders autograd still references (the others were consumed or dropped)."""
         return [h for h in (ref() for ref in self.holders) if h is not None]
 
-
-def _placeholder(t: torch.Tensor) -> torch.Tensor:
-    # Stands in a record for an offloaded output until the recompute fetches it.
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
