@@ -23,6 +23,7 @@ from ._memory import MemoryReport as MemoryReport
 from ._memory import measure_memory as measure_memory
 from ._module_state import register_stateful as register_stateful
 from ._modules import apply as apply
+from ._modules import is_wrapped as is_wrapped
 from ._modules import sequential as sequential
 from ._modules import unwrap as unwrap
 from ._modules import wrap as wrap
@@ -45,6 +46,7 @@ __all__ = [
     "checkpoint_name",
     "compare",
     "is_recomputing",
+    "is_wrapped",
     "measure_memory",
     "policies",
     "policy_costs",

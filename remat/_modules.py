@@ -193,9 +193,8 @@ def is_wrapped(module: nn.Module) -> bool:
     """Return whether ``module``'s forward was rematerialized by `wrap`.
 
     Examples:
-        >>> import torch
-        >>> from remat._modules import is_wrapped, wrap
-        >>> is_wrapped(wrap(torch.nn.Linear(2, 2)))
+        >>> import torch, remat
+        >>> remat.is_wrapped(remat.wrap(torch.nn.Linear(2, 2)))
         True
     """
     return isinstance(module.__dict__.get("forward"), _RematForward)
@@ -258,9 +257,8 @@ def unwrap(module: M, /) -> M:
 
     Examples:
         >>> import torch, remat
-        >>> from remat._modules import is_wrapped
         >>> model = remat.apply(torch.nn.Sequential(torch.nn.Linear(2, 2)), where=torch.nn.Linear)
-        >>> is_wrapped(remat.unwrap(model)[0])
+        >>> remat.is_wrapped(remat.unwrap(model)[0])
         False
     """
     for sub in module.modules():
@@ -311,12 +309,11 @@ def apply(
     Examples:
         >>> import torch
         >>> import remat
-        >>> from remat._modules import is_wrapped
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(),
         ...                             torch.nn.Linear(4, 1))
         >>> _ = remat.apply(model, where=torch.nn.Linear,
         ...           policy={torch.nn.Linear: "dots-saveable"})
-        >>> [is_wrapped(m) for m in model]
+        >>> [remat.is_wrapped(m) for m in model]
         [True, False, True]
     """
     select = _selector(where)

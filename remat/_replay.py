@@ -47,7 +47,15 @@ from ._errors import NondeterministicRecomputeError
 from ._state import local
 from .policies import Decision, Policy
 
-__all__ = ["OpLog", "OpRecord", "RecordMode", "ReplayMode", "TAG", "detached_alias"]
+__all__ = [
+    "TAG",
+    "OpLog",
+    "OpRecord",
+    "RecordMode",
+    "ReplayMode",
+    "detached_alias",
+    "physical",
+]
 
 #: Attribute set on every tensor a recorded op returns: (log serial, op index, position).
 TAG = "_remat_src"
@@ -66,8 +74,11 @@ def _inherit_tag(source: Any, out: Any) -> None:
         setattr(out, TAG, tag)
 
 
-def _unwrap_functorch(t: torch.Tensor) -> torch.Tensor:
-    # Python code under vmap/grad sees wrapper tensors; the modes tag the physical ones.
+def physical(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under every functorch wrapper of ``t``.
+
+    Python code under vmap/grad sees wrapper tensors; the modes tag the physical ones.
+    """
     functorch = torch._C._functorch
     while functorch.is_functorch_wrapped_tensor(t):
         t = functorch.get_unwrapped(t)
@@ -259,7 +270,7 @@ class OpLog:
 
     def name(self, tensor: torch.Tensor, name: str) -> None:
         """Apply the policy's decision for a value tagged ``name``."""
-        tensor = _unwrap_functorch(tensor)
+        tensor = physical(tensor)
         found = self.lookup(tensor)
         if found is None:
             return  # a region input or a closed-over tensor: kept anyway

@@ -16,8 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
-from remat import apply, register_stateful, sequential, unwrap, wrap
-from remat._modules import is_wrapped
+from remat import apply, is_wrapped, register_stateful, sequential, unwrap, wrap
 
 
 def _has_functional_engine() -> bool:

@@ -92,7 +92,7 @@ from .._closure import Bindings, find_closed_over
 from .._errors import RematError
 from .._offload import Offloaded, current_store, next_serial, offload, placeholder_for
 from .._region import Region
-from .._replay import OpLog, OpRecord, RecordMode, ReplayMode
+from .._replay import OpLog, OpRecord, RecordMode, ReplayMode, physical
 from .._rng import RngState
 from .._state import is_recomputing, local, recomputing
 from ..policies import Decision, Policy
@@ -294,7 +294,7 @@ class _Call:
             return
         # Region inputs, parameters (inputs here) and outputs are alive anyway:
         # a value sharing storage with one of them frees nothing when moved.
-        alive = {_storage(_base(t)) for t in (*tensors, *out)}
+        alive = {_storage(physical(t)) for t in (*tensors, *out)}
         store = None
         serial = next_serial()
         for index, record in enumerate(log.records):
@@ -483,13 +483,7 @@ def _backward_is_differentiated(
         if interpreter.key() == _GRAD and interpreter.level() != own:
             return True
     tensors = [t for t in (*inputs, *grads) if t is not None]
-    return any(_base(t).requires_grad for t in tensors)
-
-
-def _base(t: torch.Tensor) -> torch.Tensor:
-    while _functorch.is_functorch_wrapped_tensor(t):
-        t = _functorch.get_unwrapped(t)
-    return t
+    return any(physical(t).requires_grad for t in tensors)
 
 
 @contextlib.contextmanager
