@@ -440,3 +440,17 @@ def test_named_kept_value_is_a_plain_tensor() -> None:
         engine._Call.forward = original  # type: ignore[method-assign]
     kept = calls[0].log.records[0].kept[0]
     assert not torch._C._functorch.is_functorch_wrapped_tensor(kept)
+
+
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable", "save:h", "save-last"])
+def test_region_that_runs_torch_func_grad_inside_under_grad(policy: str) -> None:
+    # An inner torch.func.grad (a score) inside a region differentiated by an outer grad.
+    w = torch.randn(4, 4, dtype=torch.float64)
+    x = torch.randn(3, 4, dtype=torch.float64)
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = remat.checkpoint_name(torch.tanh(x @ w), "h")
+        g = grad(lambda v: (v @ w).sin().sum())(h)
+        return (g * h).sum()
+
+    _close(grad(remat.remat(f, policy=policy), argnums=1)(x, w), grad(f, argnums=1)(x, w))
