@@ -140,6 +140,14 @@ class OpRecord:
         self.kept = None
         self.versions = None
 
+    def hold(self, position: int, value: torch.Tensor) -> None:
+        """Hold ``value`` at ``position`` as is: an offload placeholder or a fetched copy."""
+        assert self.kept is not None and self.versions is not None, (
+            "this is a bug in remat, please report it"
+        )
+        self.kept[position] = value
+        self.versions[position] = value._version
+
     def mark_mutated(self, position: int) -> None:
         """Make a kept output unreplayable: no tensor has version -1."""
         if self.versions is not None:

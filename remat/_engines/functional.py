@@ -315,8 +315,7 @@ class _Call:
                     placeholder = placeholder_for(t) if entry is not None else None
                 if entry is None or placeholder is None:
                     continue
-                record.kept[position] = placeholder
-                record.versions[position] = placeholder._version
+                record.hold(position, placeholder)
                 self.offloaded.append((record, position, entry))
 
     def restore_offloaded(self) -> list[tuple[OpRecord, int]]:
@@ -327,8 +326,7 @@ class _Call:
                 continue
             with _below_all_levels():
                 value = entry.get()
-            record.kept[position] = value
-            record.versions[position] = value._version
+            record.hold(position, value)
             restored.append((record, position))
         return restored
 
@@ -494,11 +492,10 @@ def _below_all_levels() -> Iterator[None]:
 
 
 def _storage(t: torch.Tensor) -> int:
-    """The address of ``t``'s storage; 0 when it has none (sparse, empty)."""
-    try:
-        return int(t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):
+    """The address of ``t``'s storage; 0 when it has none (sparse, nested, empty)."""
+    if t.layout is not torch.strided or t.is_nested:
         return 0
+    return int(t.untyped_storage().data_ptr())
 
 
 

@@ -244,8 +244,7 @@ class Frame:
         self.offloaded[key] = (record, index, entry)
         if record.kept is not None and record.versions is not None:
             if record.versions[position] == t._version:
-                record.kept[position] = placeholder
-                record.versions[position] = placeholder._version
+                record.hold(position, placeholder)
             else:
                 record.kept[position] = None  # mutated since kept: the op runs again
         return entry
@@ -282,8 +281,7 @@ class Frame:
             if index < clock and record.kept is not None and record.versions is not None:
                 with _disable_current_modes():
                     value = entry.get()
-                record.kept[position] = value
-                record.versions[position] = value._version
+                record.hold(position, value)
                 restored.append((record, position))
         return restored
 
