@@ -48,8 +48,9 @@ import torch.utils.checkpoint as tuc
 from remat import MemoryReport
 from remat import _demo_model as demo
 from remat import measure_memory as measure_step
+from remat._cuda_store import CudaHostStore
 from remat._memory import MemoryMeter
-from remat._offload import CudaHostStore, FakeHostStore, HostStore, use_host_store
+from remat._offload import FakeHostStore, HostStore, use_host_store
 
 REMAT_POLICIES = (
     "nothing-saveable",
@@ -190,9 +191,16 @@ def step_seconds(
     model: demo.Stack, loss: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
 ) -> float:
     model.zero_grad(set_to_none=True)
+    synchronize(x.device)
     start = time.perf_counter()
     loss(x).backward()
+    synchronize(x.device)  # CUDA runs asynchronously: time the work, not its launch
     return time.perf_counter() - start
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def progress(done: int, total: int, what: str) -> None:
@@ -219,7 +227,7 @@ def measure(
         progress(i, total, label)
         model.zero_grad(set_to_none=True)
         store = stores.get(label)
-        if isinstance(store, MeteredFakeStore) and x.device.type == "cpu":
+        if isinstance(store, MeteredFakeStore):
             memory[label] = measure_with_meter(losses[label], x, store)
         else:
             memory[label] = measure_step(losses[label], x)
@@ -275,6 +283,18 @@ def under_torch_func_grad(model: demo.Stack, x: torch.Tensor) -> dict[str, str]:
     return outcome
 
 
+def offload_summary(rows: Sequence[Row]) -> str:
+    """``offload-dots`` against ``dots-saveable``: the trade the offload policy makes."""
+    by_label = {r.variant: r for r in rows}
+    saved, offloaded = by_label["remat dots-saveable"], by_label["remat offload-dots"]
+    time = offloaded.time_vs_none / saved.time_vs_none
+    return (
+        f"offload-dots vs dots-saveable: step time {time:.2f}x, "
+        f"device peak {offloaded.peak_bytes / saved.peak_bytes:.2f}x, "
+        f"host bytes {offloaded.host_bytes:,}"
+    )
+
+
 def markdown(rows: Sequence[Row]) -> str:
     """The Markdown table of the results."""
     header = (
@@ -295,7 +315,9 @@ def markdown(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
     return (
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch "
         f"thread(s) of {__import__('os').cpu_count()} CPU cores, torch {torch.__version__}, "
@@ -319,29 +341,34 @@ def main(argv: Sequence[str] | None = None, small: bool = False) -> dict[str, An
         defaults |= {"depth": 2, "width": 16, "heads": 2, "batch": 2, "seq": 8, "repeats": 1}
     for name, default in defaults.items():
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument(
         "--fake-offload",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="add the offload-dots row with a CPU-to-CPU fake host store (a simulation)",
+        help="on CPU, add the offload-dots row with a CPU-to-CPU fake host store",
     )
     parser.add_argument("--json", default=str(pathlib.Path(__file__).with_name("results.json")))
     args = parser.parse_args([] if argv is None and small else argv)
     torch.set_num_threads(args.threads)
-    model = demo.Stack(depth=args.depth, width=args.width, heads=args.heads)
-    x = demo.make_input(model, batch=args.batch, seq=args.seq)
-    rows = measure(model, x, args.repeats, args.fake_offload)
+    device = torch.device(args.device)
+    model = demo.Stack(depth=args.depth, width=args.width, heads=args.heads).to(device)
+    x = demo.make_input(model, batch=args.batch, seq=args.seq).to(device)
+    rows = measure(model, x, args.repeats, args.fake_offload and device.type == "cpu")
     func = under_torch_func_grad(model, x)
-    config = {k: getattr(args, k) for k in defaults}
-    print(f"GPT-style stack {config}, float32, CPU; {machine()}")
+    config = {k: getattr(args, k) for k in defaults} | {"device": args.device}
+    print(f"GPT-style stack {config}, float32; {machine(device)}")
     print(markdown(rows))
+    offload = offload_summary(rows)
+    print(f"\n{offload}")
     print("\nUnder torch.func.grad:")
     for label, what in func.items():
         print(f"- {label}: {what}")
     results = {
         "config": config,
-        "machine": machine(),
+        "machine": machine(device),
         "rows": [dataclasses.asdict(r) for r in rows],
+        "offload": offload,
         "torch_func_grad": func,
     }
     if not small:

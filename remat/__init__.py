@@ -9,6 +9,7 @@ from . import policies as policies
 from ._api import checkpoint as checkpoint
 from ._api import checkpoint_name as checkpoint_name
 from ._api import remat as remat
+from ._cuda_store import CudaHostStore as CudaHostStore
 from ._errors import NondeterministicRecomputeError as NondeterministicRecomputeError
 from ._errors import RematError as RematError
 from ._errors import SavedInputMutatedError as SavedInputMutatedError
@@ -27,7 +28,6 @@ from ._modules import is_wrapped as is_wrapped
 from ._modules import sequential as sequential
 from ._modules import unwrap as unwrap
 from ._modules import wrap as wrap
-from ._offload import CudaHostStore as CudaHostStore
 from ._offload import HostStore as HostStore
 from ._offload import use_host_store as use_host_store
 from ._state import is_recomputing as is_recomputing

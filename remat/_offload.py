@@ -17,9 +17,9 @@ NOTE [ Offload: streams, events, prefetch ]
    the entry at position ``s`` first prefetches the ``prefetch_distance``
    pending entries just before ``s``: host-to-device copies run that many
    tensors ahead of use.
-4. `CudaHostStore`, put: the side stream ``d2h`` waits for the current stream
-   (so the copy starts after the producing op), copies into a pinned host
-   buffer, and records an event. ``record_stream(d2h)`` tells the caching
+4. `CudaHostStore` (``_cuda_store.py``), put: the side stream ``d2h`` waits
+   for the current stream (so the copy starts after the producing op), copies
+   into a pinned host buffer, and records an event. ``record_stream(d2h)`` tells the caching
    allocator that the device block is in use on ``d2h``: when the engine drops
    its last reference, the block is reused only after the copy is done.
 5. `CudaHostStore`, prefetch: on the side stream ``h2d``, after waiting for the
@@ -45,19 +45,21 @@ import contextlib
 import itertools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 __all__ = [
-    "placeholder_for",
-    "CudaHostStore",
     "FakeHostStore",
+    "HostPool",
     "HostStore",
     "Offloaded",
+    "as_layout",
     "current_store",
+    "nbytes",
     "offload",
+    "placeholder_for",
     "use_host_store",
 ]
 
@@ -85,13 +87,18 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of the elements of ``t`` (a dense tensor's storage size)."""
     return t.numel() * t.element_size()
 
 
-def _as_layout(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def _host_buffer(size: int) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.uint8)
+
+
+def as_layout(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """View the start of a byte ``buffer`` with ``like``'s dtype, shape and strides."""
-    flat = buffer[: _nbytes(like)].view(like.dtype)
+    flat = buffer[: nbytes(like)].view(like.dtype)
     return flat.as_strided(like.shape, like.stride())
 
 
@@ -125,7 +132,7 @@ class HostStore(abc.ABC):
 
     def accepts(self, t: torch.Tensor) -> bool:
         """Whether ``t`` can be offloaded: large enough and densely laid out."""
-        return t.numel() > 0 and _nbytes(t) >= self.min_bytes and _dense(t)
+        return t.numel() > 0 and nbytes(t) >= self.min_bytes and _dense(t)
 
     @abc.abstractmethod
     def put(self, t: torch.Tensor) -> Handle:
@@ -318,18 +325,30 @@ def current_store(region_store: HostStore | None = None) -> HostStore:
     if stack:
         return stack[-1]
     if _default is None:
+        from ._cuda_store import CudaHostStore  # it builds on this module
+
         _default = CudaHostStore()
     return _default
 
 
-# -- CUDA --------------------------------------------------------------------
+# -- host buffers ------------------------------------------------------------
 
 
-class _PinnedPool:
-    """Pinned host buffers by byte size, handed out again once their last copy is done."""
+class HostPool:
+    """Host buffers by byte size, handed out again once their last copy is done (NOTE rule 6).
 
-    def __init__(self, pin: bool) -> None:
-        self.pin = pin
+    Args:
+        allocate: makes a new ``uint8`` buffer of the given byte size.
+        done: whether an event given back with a buffer has completed.
+    """
+
+    def __init__(
+        self,
+        allocate: Callable[[int], torch.Tensor],
+        done: Callable[[Any], bool] = lambda event: True,
+    ) -> None:
+        self._allocate = allocate
+        self._done = done
         self.free: dict[int, list[torch.Tensor]] = {}
         self.busy: list[tuple[torch.Tensor, Any]] = []  # (buffer, event still running)
         #: Buffers ever allocated (the pool's size: bounded when steps reuse them).
@@ -344,10 +363,10 @@ class _PinnedPool:
             return free.pop()
         self.allocated += 1
         self.bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        return self._allocate(nbytes)
 
     def give_back(self, buffer: torch.Tensor, event: Any = None) -> None:
-        if event is not None and not event.query():
+        if event is not None and not self._done(event):
             self.busy.append((buffer, event))
         else:
             self.free.setdefault(buffer.numel(), []).append(buffer)
@@ -355,113 +374,10 @@ class _PinnedPool:
     def _reclaim(self) -> None:
         busy, self.busy = self.busy, []  # a reentrant give_back appends to the new list
         for buffer, event in busy:
-            if event.query():
+            if self._done(event):
                 self.free.setdefault(buffer.numel(), []).append(buffer)
             else:
                 self.busy.append((buffer, event))
-
-
-class _CudaSlot:
-    __slots__ = ("buffer", "device", "device_tensor", "event", "host")
-
-    def __init__(
-        self, buffer: torch.Tensor, host: torch.Tensor, device: torch.device, event: Any
-    ) -> None:
-        self.buffer = buffer
-        self.host = host
-        self.device = device
-        #: The last copy that touched ``buffer`` (D2H, then H2D once prefetched).
-        self.event = event
-        self.device_tensor: torch.Tensor | None = None
-
-
-class CudaHostStore(HostStore):
-    """Pinned host memory with side-stream copies and events (NOTE rules 4-6).
-
-    Accepts CUDA tensors only; it creates no stream and no buffer until the
-    first `put`, so constructing it without a GPU is fine.
-
-    Args:
-        min_bytes (int, optional): smaller tensors stay on the device. Default: 65536.
-        prefetch_distance (int, optional): tensors brought back ahead of use. Default: 2.
-
-    Examples:
-        >>> store = CudaHostStore()
-        >>> store.accepts(torch.ones(1 << 20))  # a CPU tensor: saved, not offloaded
-        False
-    """
-
-    def __init__(self, *, min_bytes: int = 1 << 16, prefetch_distance: int = 2) -> None:
-        super().__init__(min_bytes=min_bytes, prefetch_distance=prefetch_distance)
-        self.pool = _PinnedPool(pin=True)
-        self._slots: dict[Handle, _CudaSlot] = {}
-        self._streams: dict[int, tuple[Any, Any]] = {}  # device index -> (d2h, h2d)
-        self._handles = itertools.count()
-        self._lock = threading.RLock()  # a GC pass inside `put` may reap into `release`
-
-    def accepts(self, t: torch.Tensor) -> bool:
-        return t.is_cuda and super().accepts(t)
-
-    @property
-    def host_bytes(self) -> int:
-        """Bytes of pinned host buffers in the pool (in use or free)."""
-        return self.pool.bytes
-
-    def _side_streams(self, device: torch.device) -> tuple[Any, Any]:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        streams = self._streams.get(index)
-        if streams is None:
-            streams = (torch.cuda.Stream(index), torch.cuda.Stream(index))
-            self._streams[index] = streams
-        return streams
-
-    def put(self, t: torch.Tensor) -> Handle:
-        d2h, _ = self._side_streams(t.device)
-        with self._lock:
-            buffer = self.pool.take(_nbytes(t))
-        host = _as_layout(buffer, t)
-        d2h.wait_stream(torch.cuda.current_stream(t.device))  # after the producing op
-        with torch.cuda.stream(d2h):
-            host.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(d2h)
-        t.record_stream(d2h)  # the block outlives our reference until the copy is done
-        handle = next(self._handles)
-        self._slots[handle] = _CudaSlot(buffer, host, t.device, event)
-        return handle
-
-    def prefetch(self, handle: Handle) -> None:
-        slot = self._slots.get(handle)
-        if slot is None or slot.device_tensor is not None:
-            return  # released meanwhile by another thread, or already on its way
-        host = slot.host
-        _, h2d = self._side_streams(slot.device)
-        h2d.wait_event(slot.event)  # the host data is complete
-        with torch.cuda.stream(h2d):
-            # Allocated on h2d: no wait for the consumer stream's queued work.
-            device = torch.empty_strided(
-                host.shape, host.stride(), dtype=host.dtype, device=slot.device
-            )
-            device.copy_(host, non_blocking=True)
-            slot.event = torch.cuda.Event()
-            slot.event.record(h2d)
-        slot.device_tensor = device
-
-    def get(self, handle: Handle) -> torch.Tensor:
-        self.prefetch(handle)
-        slot = self._slots[handle]
-        device = slot.device_tensor
-        assert device is not None, "this is a bug in remat, please report it"
-        consumer = torch.cuda.current_stream(device.device)
-        consumer.wait_event(slot.event)
-        device.record_stream(consumer)  # freed later from consumer's side: no early reuse
-        slot.device_tensor = None  # the caller owns it now
-        return device
-
-    def release(self, handle: Handle) -> None:
-        slot = self._slots.pop(handle)
-        with self._lock:
-            self.pool.give_back(slot.buffer, slot.event)
 
 
 # -- a store for tests -------------------------------------------------------
@@ -486,7 +402,7 @@ class FakeHostStore(HostStore):
 
     def __init__(self, *, min_bytes: int = 0, prefetch_distance: int = 2) -> None:
         super().__init__(min_bytes=min_bytes, prefetch_distance=prefetch_distance)
-        self.pool = _PinnedPool(pin=False)
+        self.pool = HostPool(_host_buffer)
         self.log: list[tuple[str, Handle]] = []
         self.live: dict[Handle, tuple[torch.Tensor, torch.Tensor]] = {}  # (buffer, view)
         self.fetched: dict[Handle, torch.Tensor] = {}
@@ -506,8 +422,8 @@ class FakeHostStore(HostStore):
 
     def put(self, t: torch.Tensor) -> Handle:
         handle = next(self._handles)
-        buffer = self.pool.take(_nbytes(t))
-        host = _as_layout(buffer, t)
+        buffer = self.pool.take(nbytes(t))
+        host = as_layout(buffer, t)
         host.copy_(t)
         self.live[handle] = (buffer, host)
         self.log.append(("put", handle))

@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import policies
-from remat._offload import CudaHostStore, FakeHostStore, offload, use_host_store
+from remat._cuda_store import CudaHostStore
+from remat._offload import FakeHostStore, offload, use_host_store
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
