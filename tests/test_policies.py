@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.checkpoint import CheckpointPolicy
 
+from remat import _policy_strings
 from remat import policies as P
 from remat.policies import Decision
 
@@ -32,7 +33,7 @@ PATTERNS = (
 
 @pytest.fixture(autouse=True)
 def _clean_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(P, "_REGISTRY", dict(P._BUILTINS))
+    monkeypatch.setattr(_policy_strings, "_REGISTRY", dict(_policy_strings._BUILTINS))
     yield
 
 
