@@ -19,9 +19,10 @@ from ._region import Region, describe_callable
 from ._state import local
 from .policies import PolicyLike
 
-__all__ = ["call_region", "checkpoint", "checkpoint_name", "make_region", "remat"]
+__all__ = ["call_region", "checkpoint", "checkpoint_name", "make_region", "remat", "uncompiled"]
 
 T = TypeVar("T")
+R = TypeVar("R")
 F = TypeVar("F", bound=Callable[..., Any])
 Engine = Literal["auto", "eager", "functional"]
 _ENGINES = ("auto", "eager", "functional")
@@ -190,8 +191,25 @@ def make_region(
     )
 
 
+def uncompiled(fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    """``fn(*args, **kwargs)``, run eagerly when ``torch.compile`` traces this call.
+
+    Dynamo cannot trace the engines (saved-tensor hooks, dispatch modes, functorch
+    internals): a region runs eagerly, as a graph break, and the code around it
+    compiles.
+    """
+    if torch.compiler.is_compiling():
+        eager: Callable[..., R] = torch.compiler.disable(fn)
+        return eager(*args, **kwargs)
+    return fn(*args, **kwargs)
+
+
 def call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run one call of ``region`` on the engine it asks for (or the one the context needs)."""
+    return uncompiled(_call_region, region, args, kwargs)
+
+
+def _call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     for i in region.static_argnums:
         if not -len(args) <= i < len(args):
             raise ValueError(

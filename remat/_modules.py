@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from . import policies
-from ._api import call_region, make_region, remat
+from ._api import call_region, make_region, remat, uncompiled
 from ._module_state import StateGuard
 from .policies import PolicyLike
 
@@ -119,6 +119,9 @@ class _RematForward:
         return self.region.policy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return uncompiled(self._call, args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self.module_ref()
         assert module is not None, "this is a bug in remat, please report it"
         region = dataclasses.replace(self.region, fn=_Forward(module, self.original))
