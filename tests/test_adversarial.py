@@ -329,3 +329,21 @@ def test_parameter_written_in_place_before_backward_raises_like_autograd() -> No
         w.add_(1)  # an optimizer step between forward and backward
     with pytest.raises(remat.SavedInputMutatedError, match="modified by an inplace operation"):
         out.backward()
+
+
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable", "save:h", "save-last"])
+def test_except_exception_in_the_region_does_not_swallow_the_early_stop(policy: str) -> None:
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = remat.checkpoint_name(x @ w, "h")
+        try:
+            y = h.sin() * h.tanh()
+        except Exception:  # a user's fallback path
+            y = torch.sin(h).mul(torch.tanh(h))
+        return y
+
+    x = torch.randn(3, 3, dtype=torch.double, requires_grad=True)
+    w = torch.randn(3, 3, dtype=torch.double, requires_grad=True)
+    expected = torch.autograd.grad(f(x, w).sum(), (x, w))
+    actual = torch.autograd.grad(remat.remat(f, policy=policy)(x, w).sum(), (x, w))
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e)

@@ -73,8 +73,12 @@ from ..policies import Decision
 __all__ = ["Frame", "Holder", "run_eager"]
 
 
-class _StopRecompute(Exception):
-    """Raised inside a recompute once every tensor backward needs has been collected."""
+class _StopRecompute(BaseException):
+    """Raised inside a recompute once every tensor backward needs has been collected.
+
+    A `BaseException`, like `GeneratorExit`: a user's ``except Exception`` inside
+    the region (a fallback path) must not swallow it and run other ops.
+    """
 
 
 class Holder:
