@@ -26,7 +26,11 @@ NOTE [ Closed-over tensors ]
    of a container, untracked leaves included); while ``fn`` is recomputed the
    slot holds that snapshot with the Function's inputs swapped in, so a list
    appended to or a variable rebound between forward and backward does not
-   change what the recompute computes.
+   change what the recompute computes. Slots holding one untracked tensor (a
+   frozen parameter, a plain closed-over constant) are snapshotted too, with
+   nothing swapped in: ``torch.func.functional_call`` puts a module's own
+   tensors back before the backward runs, and the recompute must still see the
+   ones the forward saw.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["Bindings", "find_closed_over", "is_tracked"]
+from ._state import local
+
+__all__ = ["Bindings", "find_closed_over", "global_names", "is_tracked"]
 
 _MAX_DEPTH = 8
 _PYTREE_TYPES = (list, tuple, dict)
@@ -93,6 +99,7 @@ class Bindings:
     def swapped(self, replacements: Sequence[torch.Tensor]) -> Iterator[None]:
         """Put ``replacements[i]`` where ``tensors[i]`` was while the block runs."""
         saved = []
+        local.slot_swaps += 1
         try:
             for slot, indices in self._slots:
                 saved.append((slot, slot.get()))
@@ -102,6 +109,7 @@ class Bindings:
                 slot.set(optree.tree_unflatten(slot.treedef, leaves))
             yield
         finally:
+            local.slot_swaps -= 1
             for slot, old in reversed(saved):
                 slot.set(old)
 
@@ -198,7 +206,7 @@ class _Walker:
                 depth,
             )
         scope = fn.__globals__
-        for name in sorted(_global_names(code)):
+        for name in sorted(global_names(code)):
             if name in scope:
                 self.slot(
                     scope[name],
@@ -213,7 +221,7 @@ class _Walker:
             for store in ("_parameters", "_buffers"):
                 table = getattr(sub, store)
                 for key, value in table.items():
-                    if isinstance(value, torch.Tensor) and is_tracked(value):
+                    if isinstance(value, torch.Tensor):
                         self.bind(
                             value,
                             *_item_access(table, key),
@@ -244,8 +252,7 @@ class _Walker:
         depth: int,
     ) -> None:
         if isinstance(value, torch.Tensor):
-            if is_tracked(value):
-                self.bind(value, get, set_, where)
+            self.bind(value, get, set_, where)
         elif isinstance(value, _PYTREE_TYPES):
             self.container(value, get, set_, where, depth)
         elif isinstance(value, (types.FunctionType, functools.partial, types.MethodType)):
@@ -280,10 +287,13 @@ class _Walker:
     def bind(
         self, value: torch.Tensor, get: Callable[[], Any], set_: Callable[[Any], None], where: str
     ) -> None:
+        # An untracked tensor is no input, but its slot still gets the call's
+        # tensor back while ``fn`` is recomputed (rule 4).
         tree: Any = value
         leaves: list[Any]
         leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
-        self.bindings.add(_Slot(get, set_, where, (0,), leaves, treedef), leaves)
+        positions = (0,) if is_tracked(value) else ()
+        self.bindings.add(_Slot(get, set_, where, positions, leaves, treedef), leaves)
 
 
 _Access = tuple[Callable[[], Any], Callable[[Any], None]]
@@ -311,9 +321,11 @@ def _attr_access(obj: Any, key: str) -> _Access:
     return (lambda: getattr(obj, key)), set_
 
 
-def _global_names(code: types.CodeType) -> set[str]:
+@functools.lru_cache(maxsize=1024)
+def global_names(code: types.CodeType) -> frozenset[str]:
+    """The names ``code`` (and code nested in it) may look up as globals."""
     names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _global_names(const)
-    return names
+            names |= global_names(const)
+    return frozenset(names)

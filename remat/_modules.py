@@ -69,7 +69,7 @@ class _Forward:
         # Error messages and signature checks name the user's forward, not this class.
         self.__qualname__ = getattr(function, "__qualname__", type(module).__qualname__)
         self.__wrapped__ = function
-        self.state = StateGuard(module.modules())
+        self.state = StateGuard(module.modules(), self.__qualname__)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self.original or types.MethodType(type(self.module).forward, self.module)
@@ -388,7 +388,8 @@ class _Segment:
         self.layers = list(layers)
         self.__qualname__ = "remat.sequential segment"
         self.state = StateGuard(
-            m for layer in self.layers if isinstance(layer, nn.Module) for m in layer.modules()
+            (m for layer in self.layers if isinstance(layer, nn.Module) for m in layer.modules()),
+            self.__qualname__,
         )
 
     def __call__(self, x: Any) -> Any:

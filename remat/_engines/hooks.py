@@ -126,7 +126,7 @@ class Frame:
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.rng = RngState.capture(self.inputs) if region.preserve_rng_state else None
         self.autocast = AutocastState.capture()
-        self.state_guard = state_guard_of(region.fn, leaves)
+        self.state_guard = state_guard_of(region.fn, leaves, region.label)
         self.versions: list[int] = []
         self.mutated_in_forward = False
         #: The frame whose recompute is running this region (rule 4), if any.

@@ -1,0 +1,192 @@
+"""The recompute uses the parameters the forward used, or raises when it cannot.
+
+Found by review: ``torch.func.functional_call`` puts a module's own tensors back
+when it returns, so a recompute in backward read the module's own weights
+(wrong gradients in both engines); parameters modified in place between forward
+and backward (an optimizer step, a ``.data`` assignment) were recomputed from
+the new values without the error plain autograd raises.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from helpers import assert_close_all
+from torch import nn
+from torch.func import functional_call, grad, vjp, vmap
+
+import remat
+
+POLICIES = ["nothing-saveable", "dots-saveable", "save-last", "everything-except:none"]
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+
+
+def fresh_params(net: nn.Module, requires_grad: bool = True) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    return {
+        k: torch.randn_like(v).requires_grad_(requires_grad) for k, v in net.named_parameters()
+    }
+
+
+def x() -> torch.Tensor:
+    torch.manual_seed(2)
+    return torch.randn(8, 4, dtype=torch.double)
+
+
+# -- functional_call: the forward's tensors reach the recompute -------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_functional_call_then_backward_wrapped(policy: str) -> None:
+    net = mlp()
+    wrapped = remat.wrap(copy.deepcopy(net), policy=policy)
+    params = fresh_params(net)
+
+    def loss(model: nn.Module) -> torch.Tensor:
+        return functional_call(model, params, (x(),)).pow(2).sum()
+
+    expected = torch.autograd.grad(loss(net), list(params.values()))
+    actual = torch.autograd.grad(loss(wrapped), list(params.values()))
+    assert_close_all(actual, expected)
+
+
+GLOBAL_NET = mlp()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_functional_call_then_backward_region_naming_a_global_module(policy: str) -> None:
+    region = remat.remat(lambda h: GLOBAL_NET(h).pow(2).sum(), policy=policy)
+
+    class Holder(nn.Module):
+        def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor]) -> None:
+            super().__init__()
+            self.net = GLOBAL_NET
+            self.run = forward
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.run(h)
+
+    params = fresh_params(GLOBAL_NET)
+    named = {f"net.{k}": v for k, v in params.items()}
+    expected = torch.autograd.grad(
+        functional_call(Holder(lambda h: GLOBAL_NET(h).pow(2).sum()), named, (x(),)),
+        list(params.values()),
+    )
+    actual = torch.autograd.grad(
+        functional_call(Holder(region), named, (x(),)), list(params.values())
+    )
+    assert_close_all(actual, expected)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_functional_call_frozen_subset_under_grad(policy: str) -> None:
+    net = mlp()
+    wrapped = remat.wrap(copy.deepcopy(net), policy=policy)
+    frozen = {k: v for k, v in fresh_params(net, requires_grad=False).items() if k.startswith("0.")}
+    trained = {k: v for k, v in fresh_params(net).items() if k.startswith("2.")}
+
+    def loss(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+        return lambda p: functional_call(model, {**frozen, **p}, (x(),)).pow(2).sum()
+
+    assert_close_all(
+        list(grad(loss(wrapped))(trained).values()), list(grad(loss(net))(trained).values())
+    )
+
+
+def test_functional_call_ensemble_under_vmap_grad_wrt_input() -> None:
+    net = mlp()
+    wrapped = remat.wrap(copy.deepcopy(net), policy="dots-saveable")
+    ensemble = {k: torch.stack([v.detach(), v.detach() * 2]) for k, v in fresh_params(net).items()}
+
+    h0 = x()
+
+    def saliency(model: nn.Module) -> Callable[..., torch.Tensor]:
+        def one(p: dict[str, torch.Tensor]) -> torch.Tensor:
+            return grad(lambda h: functional_call(model, p, (h,)).sum())(h0)
+
+        return vmap(one)
+
+    torch.testing.assert_close(saliency(wrapped)(ensemble), saliency(net)(ensemble))
+
+
+def test_rebound_plain_closure_under_vjp() -> None:
+    scale = torch.tensor(2.0, dtype=torch.double)
+
+    def f(h: torch.Tensor) -> torch.Tensor:
+        return torch.sin(h * scale).sum()
+
+    h = x()
+    _, expected_fn = vjp(f, h)
+    (expected,) = expected_fn(torch.tensor(1.0, dtype=torch.double))
+    _, vjp_fn = vjp(remat.remat(f), h)
+    scale = torch.tensor(5.0, dtype=torch.double)  # rebound before the backward
+    (actual,) = vjp_fn(torch.tensor(1.0, dtype=torch.double))
+    torch.testing.assert_close(actual, expected)
+
+
+# -- parameters modified between forward and backward ------------------------------
+
+
+class Shifted(nn.Module):
+    """A parameter that no op saves: autograd itself would not notice a change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(4, dtype=torch.double))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return (h + self.b).sin()
+
+
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable", "save:none"])
+@pytest.mark.parametrize(
+    "model", [lambda: nn.Linear(4, 4).double(), Shifted], ids=["linear", "unsaved"]
+)
+def test_optimizer_step_before_backward_raises(policy: str, model: Callable[[], nn.Module]) -> None:
+    module = remat.wrap(model(), policy=policy)
+    out = module(x().requires_grad_())
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(1.0)  # what optimizer.step() does
+    with pytest.raises(remat.SavedInputMutatedError, match="modified in place between the forward"):
+        out.sum().backward()
+
+
+def test_data_assignment_before_backward_raises() -> None:
+    module = remat.wrap(nn.Linear(4, 4).double())
+    out = module(x().requires_grad_())
+    module.weight.data = torch.randn(4, 4, dtype=torch.double)
+    with pytest.raises(remat.SavedInputMutatedError, match="'weight' of Linear"):
+        out.sum().backward()
+
+
+def test_new_view_of_the_same_memory_is_left_alone() -> None:
+    # FSDP-style: between forward and backward the slot gets a new tensor object
+    # over the same memory; nothing changed, so no error and the same gradient.
+    net = mlp()
+    wrapped = remat.wrap(copy.deepcopy(net))
+    h = x().requires_grad_()
+    out = wrapped(h).sum()
+    first = wrapped[0]
+    first._parameters["weight"] = nn.Parameter(first.weight.detach())
+    (actual,) = torch.autograd.grad(out, h)
+    (expected,) = torch.autograd.grad(net(h).sum(), h)
+    torch.testing.assert_close(actual, expected)
+
+
+def test_stateful_module_called_twice_before_backward() -> None:
+    # BatchNorm's buffers change in each forward: that is state, not a mutation.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()).double()
+    wrapped = remat.wrap(copy.deepcopy(net))
+    a, b = x(), x() * 2
+    expected = torch.autograd.grad((net(a) + net(b)).sum(), list(net.parameters()))
+    actual = torch.autograd.grad((wrapped(a) + wrapped(b)).sum(), list(wrapped.parameters()))
+    assert_close_all(actual, expected)
