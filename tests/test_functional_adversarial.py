@@ -454,3 +454,37 @@ def test_region_that_runs_torch_func_grad_inside_under_grad(policy: str) -> None
         return (g * h).sum()
 
     _close(grad(remat.remat(f, policy=policy), argnums=1)(x, w), grad(f, argnums=1)(x, w))
+
+
+# -- nested forward mode (found by review: tangents of tangents came out zero) ----
+
+
+def _second_order_forward(kind: str, f: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+    ones = torch.ones(4, dtype=D)
+    if kind == "jvp_jvp":
+        return lambda w: torch.func.jvp(
+            lambda v: torch.func.jvp(f, (v,), (ones,))[1], (w,), (ones,)
+        )
+    if kind == "jacfwd_jacfwd":
+        return jacfwd(jacfwd(f))
+    if kind == "jacfwd_jvp":
+        return jacfwd(lambda w: torch.func.jvp(f, (w,), (ones,))[1])
+    assert kind == "grad_jvp_jvp"  # a reverse level around them: still exact
+    second = _second_order_forward("jvp_jvp", f)
+    return grad(lambda w: second(w)[1])
+
+
+@pytest.mark.parametrize("kind", ["jvp_jvp", "jacfwd_jacfwd", "jacfwd_jvp", "grad_jvp_jvp"])
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable", "save-last"])
+def test_nested_forward_mode(kind: str, policy: str) -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(4, dtype=D), torch.randn(4, dtype=D)
+
+    def f(h: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.sin(h * v).sum() * torch.cos(h @ v)
+
+    region = remat.remat(f, policy=policy)
+    expected = _second_order_forward(kind, lambda v: f(x, v))(w)
+    actual = _second_order_forward(kind, lambda v: region(x, v))(w)
+    optree.tree_map(torch.testing.assert_close, actual, expected)
+    assert all(bool(t.abs().sum() > 0) for t in optree.tree_leaves(expected))  # not zero anyway

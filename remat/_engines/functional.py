@@ -71,6 +71,11 @@ NOTE [ The functional engine ]
    twice) reruns those ops instead of fetching twice. Fetched values are
    plain tensors like the ones recorded, so the levels above record their
    replayed ops and ``grad(grad)`` stays exact.
+9. Nested forward mode. An outer forward-mode level does not differentiate a
+   custom Function's ``jvp`` rule: under two forward-mode levels (``jvp(jvp)``,
+   ``jacfwd(jacfwd)``) the Function would return zero tangents of tangents. A
+   region called there runs ``fn`` itself; forward mode saves nothing for a
+   backward, so only a reverse level around both loses the region's savings.
 """
 
 from __future__ import annotations
@@ -123,6 +128,12 @@ def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
     policy = region.policy
     if policy.keeps_everything:
         return fn(*args, **kwargs)  # nothing to recompute: same graph as without remat
+    if _forward_ad_levels() > 1:
+        # An outer forward-mode level does not differentiate a custom Function's
+        # ``jvp`` rule (functorch computes tangents of tangents as zero), so
+        # ``jvp(jvp)`` and ``jacfwd(jacfwd)`` run ``fn`` itself: forward mode saves
+        # nothing for a backward, only a reverse level around them loses savings.
+        return fn(*args, **kwargs)
     call = _Call(region, fn, args, kwargs)
     flat_out = _RematFunction.apply(call, *call.inputs)  # type: ignore[no-untyped-call]
     return call.unflatten_output(flat_out)
@@ -501,9 +512,13 @@ def _storage(t: torch.Tensor) -> int:
 
 def _forward_ad_active() -> bool:
     """Whether a forward-mode level (functorch ``jvp`` or eager ``forward_ad``) is live."""
-    if any(i.key() == _JVP for i in retrieve_all_functorch_interpreters()):
-        return True
-    return bool(torch.autograd.forward_ad._current_level >= 0)
+    return _forward_ad_levels() > 0
+
+
+def _forward_ad_levels() -> int:
+    """How many forward-mode levels (functorch ``jvp``s, eager ``forward_ad``) are live."""
+    jvps = sum(i.key() == _JVP for i in retrieve_all_functorch_interpreters())
+    return jvps + int(torch.autograd.forward_ad._current_level >= 0)
 
 
 # ---------------------------------------------------------------------------
