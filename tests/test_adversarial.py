@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import remat
-from remat._offload import FakeHostStore
+from remat._offload import FakeHostStore, use_host_store
 from remat._state import local
 
 Fn = Callable[..., Any]
@@ -347,3 +347,46 @@ def test_except_exception_in_the_region_does_not_swallow_the_early_stop(policy: 
     actual = torch.autograd.grad(remat.remat(f, policy=policy)(x, w).sum(), (x, w))
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e)
+
+
+def _written_after_offload(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = x @ w
+    _unused = a.cos()  # saves a; its result is not used
+    a[0].mul_(2)  # a legal write through a view
+    return (a * a).sum()  # saves a again, after the write
+
+
+def _recompute_writes_the_fetched_value(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = x @ w
+    b = a.sin()  # saves a before the write (plain autograd would raise in backward)
+    a.mul_(2)
+    return (b + a.exp()).sum()
+
+
+def _without_the_write(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = x @ w
+    return (a.sin() + (a * 2).exp()).sum()
+
+
+@pytest.mark.parametrize(
+    ("fn", "reference"),
+    [
+        (_written_after_offload, _written_after_offload),
+        (_recompute_writes_the_fetched_value, _without_the_write),
+    ],
+)
+@pytest.mark.parametrize("policy", ["offload-dots", "offload-dots+save-last"])
+def test_offloaded_value_written_in_place(
+    fn: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor], policy: str
+) -> None:
+    x = torch.randn(3, 3, dtype=torch.double, requires_grad=True)
+    w = torch.randn(3, 3, dtype=torch.double, requires_grad=True)
+    expected = torch.autograd.grad(reference(x, w), (x, w))
+    store = FakeHostStore()
+    with use_host_store(store):
+        out = remat.remat(fn, policy=policy)(x, w)
+        remat.remat(torch.sin, policy=policy)(x)  # demotes a save-last region
+    actual = torch.autograd.grad(out, (x, w))
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e)
+    assert store.calls("put"), "nothing was offloaded: the test tests nothing"

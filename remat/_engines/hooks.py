@@ -139,6 +139,8 @@ class Frame:
         self.serial = next_serial()  # orders this frame's offloads after earlier frames'
         #: Offloaded op outputs by (id(record), position): (record, op index, entry).
         self.offloaded: dict[tuple[int, int], tuple[OpRecord, int, Offloaded]] = {}
+        #: The version each offloaded output had when its copy was made.
+        self.offloaded_versions: dict[tuple[int, int], int] = {}
 
     # -- forward -------------------------------------------------------------
 
@@ -239,6 +241,8 @@ class Frame:
     ) -> Offloaded | None:
         key = (id(record), position)
         if key in self.offloaded:
+            if self.offloaded_versions[key] != t._version:
+                return None  # written since its copy was made: this save keeps it on device
             return self.offloaded[key][2]  # the same value saved twice: one copy
         with _disable_current_modes():  # the copies are ours, not the region's ops
             entry = offload(t.detach(), self.store, (self.serial, index, position))
@@ -246,6 +250,7 @@ class Frame:
         if entry is None:
             return None
         self.offloaded[key] = (record, index, entry)
+        self.offloaded_versions[key] = t._version
         if record.kept is not None and record.versions is not None:
             if record.versions[position] == t._version:
                 record.hold(position, placeholder)
@@ -283,8 +288,12 @@ class Frame:
         entries = sorted(self.offloaded.items(), key=lambda item: item[1][2].seq, reverse=True)
         for (_, position), (record, index, entry) in entries:
             if index < clock and record.kept is not None and record.versions is not None:
+                # The forward wrote to this output after its copy was made, so the
+                # replay writes to it again: give it its own copy, the entry's
+                # cached value stays what the holders saved.
+                written = record.versions[position] == -1
                 with _disable_current_modes():
-                    value = entry.get()
+                    value = entry.get().clone() if written else entry.get()
                 record.hold(position, value)
                 restored.append((record, position))
         return restored
@@ -294,6 +303,7 @@ class Frame:
         for key, (record, _, _) in list(self.offloaded.items()):
             if record.kept is None:
                 del self.offloaded[key]
+                del self.offloaded_versions[key]
 
     def release_unread(self) -> None:
         # A kept output that no live op of the recompute reads is never replayed
@@ -385,6 +395,7 @@ class Frame:
                 if record.kept is not None:
                     record.kept[position] = None  # the collected holders keep what they need
             self.offloaded.clear()
+            self.offloaded_versions.clear()
         missing = [i for i, h in self.needed.items() if h.tensor is None]
         # Holders point back at the frame: keeping them would be a cycle that
         # holds every recomputed tensor until the garbage collector runs.
