@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._offload import Handle, HostPool, HostStore, as_layout, nbytes
 
@@ -77,7 +78,7 @@ class CudaRuntime:
 class _Slot:
     """One offloaded tensor: its host buffer and, once prefetched, its device copy."""
 
-    __slots__ = ("buffer", "device", "device_tensor", "event", "host")
+    __slots__ = ("buffer", "copying", "device", "device_tensor", "event", "host", "released")
 
     def __init__(
         self, buffer: torch.Tensor, host: torch.Tensor, device: torch.device, event: Any
@@ -88,13 +89,19 @@ class _Slot:
         #: The last copy that touched ``buffer`` (D2H, then H2D once prefetched).
         self.event = event
         self.device_tensor: torch.Tensor | None = None
+        #: A prefetch is queueing the H2D copy; a release meanwhile is left to it.
+        self.copying = False
+        self.released = False
 
 
 class CudaHostStore(HostStore):
     """Pinned host memory with side-stream copies and events (NOTE rules 4-6).
 
     Accepts CUDA tensors only; it creates no stream and no buffer until the
-    first `put`, so constructing it without a GPU is fine.
+    first `put`, so constructing it without a GPU is fine. Its pinned buffers
+    are pooled across steps: ``empty_cache()`` frees those no copy uses now
+    (``torch.cuda.host_memory_stats()`` shows what torch's own pinned cache
+    keeps in turn).
 
     Args:
         min_bytes (int, optional): smaller tensors stay on the device. Default: 65536.
@@ -114,7 +121,13 @@ class CudaHostStore(HostStore):
         self._slots: dict[Handle, _Slot] = {}
         self._streams: dict[int, tuple[Any, Any]] = {}  # device index -> (d2h, h2d)
         self._handles = itertools.count()
-        self._lock = threading.RLock()  # a GC pass inside `put` may reap into `release`
+        # Fetched tensors -> the event of their H2D copy, for `reuse`. By
+        # identity: a WeakKeyDictionary would compare tensors elementwise.
+        self._fetched = WeakIdKeyDictionary()
+        # Puts run on the main thread, fetches on autograd's device thread,
+        # releases wherever an entry dies; reentrant: a GC pass inside a locked
+        # section may reap into `release`.
+        self._lock = threading.RLock()
 
     def _host_buffer(self, size: int) -> torch.Tensor:
         return self._runtime.host_buffer(size)
@@ -130,6 +143,11 @@ class CudaHostStore(HostStore):
         """Bytes of pinned host buffers in the pool (in use or free)."""
         return self.pool.bytes
 
+    def empty_cache(self) -> None:
+        """Free the pooled pinned buffers that no copy uses and no tensor is stored in."""
+        with self._lock:
+            self.pool.trim()
+
     def _side_streams(self, device: torch.device) -> tuple[Any, Any]:
         index = self._runtime.device_index(device)
         streams = self._streams.get(index)
@@ -140,44 +158,69 @@ class CudaHostStore(HostStore):
 
     def put(self, t: torch.Tensor) -> Handle:
         cuda = self._runtime
-        d2h, _ = self._side_streams(t.device)
         with self._lock:
+            d2h, _ = self._side_streams(t.device)
             buffer = self.pool.take(nbytes(t))
-        host = as_layout(buffer, t)
-        cuda.wait_stream(d2h, cuda.current_stream(t.device))  # after the producing op
-        cuda.copy_on(d2h, host, t)
-        event = cuda.record_event(d2h)
-        cuda.record_stream(t, d2h)  # the block outlives our reference until the copy is done
-        handle = next(self._handles)
-        self._slots[handle] = _Slot(buffer, host, t.device, event)
+            host = as_layout(buffer, t)
+            cuda.wait_stream(d2h, cuda.current_stream(t.device))  # after the producing op
+            cuda.copy_on(d2h, host, t)
+            event = cuda.record_event(d2h)
+            cuda.record_stream(t, d2h)  # the block outlives our reference until the copy is done
+            handle = next(self._handles)
+            self._slots[handle] = _Slot(buffer, host, t.device, event)
         return handle
 
     def prefetch(self, handle: Handle) -> None:
-        slot = self._slots.get(handle)
-        if slot is None or slot.device_tensor is not None:
-            return  # released meanwhile by another thread, or already on its way
+        with self._lock:
+            slot = self._slots.get(handle)
+            if slot is None or slot.device_tensor is not None:
+                return  # released meanwhile by another thread, or already on its way
+            slot.copying = True
+            try:
+                slot.device_tensor, slot.event = self._copy_back(slot)
+            finally:
+                slot.copying = False
+            if slot.released:  # by a finalizer during the copy: give back after the H2D event
+                slot.device_tensor = None
+                self.pool.give_back(slot.buffer, slot.event)
+
+    def _copy_back(self, slot: _Slot) -> tuple[torch.Tensor, Any]:
+        """Queue the H2D copy of ``slot``; return the device tensor and the copy's event."""
         cuda = self._runtime
         _, h2d = self._side_streams(slot.device)
         cuda.wait_event(h2d, slot.event)  # the host data is complete
         # Allocated for h2d: no wait for the consumer stream's queued work.
         device = cuda.empty_on(h2d, slot.host, slot.device)
         cuda.copy_on(h2d, device, slot.host)
-        slot.event = cuda.record_event(h2d)
-        slot.device_tensor = device
+        return device, cuda.record_event(h2d)
 
     def get(self, handle: Handle) -> torch.Tensor:
-        self.prefetch(handle)
-        slot = self._slots[handle]
-        device = slot.device_tensor
-        assert device is not None, "this is a bug in remat, please report it"
+        with self._lock:
+            self.prefetch(handle)
+            slot = self._slots[handle]
+            device = slot.device_tensor
+            assert device is not None, "this is a bug in remat, please report it"
+            slot.device_tensor = None  # the caller owns it now
+            event = self._fetched[device] = slot.event
+        return self._ready(device, event)
+
+    def reuse(self, value: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            event = self._fetched.get(value)
+        return value if event is None else self._ready(value, event)
+
+    def _ready(self, device: torch.Tensor, event: Any) -> torch.Tensor:
+        """``device``, once the current stream waits for ``event``, its H2D copy."""
         cuda = self._runtime
         consumer = cuda.current_stream(device.device)
-        cuda.wait_event(consumer, slot.event)
+        cuda.wait_event(consumer, event)
         cuda.record_stream(device, consumer)  # freed later from consumer's side: no early reuse
-        slot.device_tensor = None  # the caller owns it now
         return device
 
     def release(self, handle: Handle) -> None:
-        slot = self._slots.pop(handle)
         with self._lock:
+            slot = self._slots.pop(handle)
+            if slot.copying:  # reentered from `prefetch`, which gives the buffer back
+                slot.released = True
+                return
             self.pool.give_back(slot.buffer, slot.event)

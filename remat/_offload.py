@@ -5,11 +5,18 @@ NOTE [ Offload: streams, events, prefetch ]
    tensor off the device, ``prefetch(handle)`` starts bringing it back,
    ``get(handle)`` returns it (ready for use on the caller's stream) and
    ``release(handle)`` returns the host memory. ``accepts(t)`` says which
-   tensors a store takes; the engines save the others on the device.
+   tensors a store takes; the engines save the others on the device. A store
+   takes only plain dense strided tensors: no conjugate or negative view (a
+   device-to-host ``copy_`` applies the bit to the host copy before the
+   transfer lands), no other layout, no quantized tensor, no subclass but
+   ``Parameter`` (a wrapper such as DTensor reports its global shape).
 2. Engines never call a store directly: `offload` wraps each handle in an
    `Offloaded` entry, shared by every consumer of the same value, which fetches
    at most once (the result is cached while the entry lives) and releases the
-   handle right after the fetch, or when the entry dies unfetched.
+   handle right after the fetch, or when the entry dies unfetched. A later
+   consumer gets the cached value through ``reuse(value)``: autograd runs each
+   backward node on its forward's stream, so that consumer's stream may not be
+   the one that fetched.
 3. Prefetch order. Each store has a `_Schedule`: the entries not yet fetched,
    sorted by production order: ``(frame serial, op index, position)`` from the engine
    (a value can be put later than it was produced, see the eager engine's rule
@@ -27,11 +34,19 @@ NOTE [ Offload: streams, events, prefetch ]
    an event marks the end of the copy. get: the consumer's stream waits for that
    event (a GPU-side wait, the CPU never blocks) and ``record_stream(consumer)``
    keeps the block from being reused by ``h2d`` while the consumer reads it.
-6. Host buffers are pooled by byte size and reused across steps (no
-   ``cudaHostAlloc`` per step). A released buffer goes back to the pool with
-   the last event that touched it, and is handed out again only once that event
-   has completed: a new put never overwrites data an earlier copy still reads
-   (the race behind NaN gradients in other offload implementations).
+   The store remembers that event per fetched tensor: reuse does the same wait
+   and ``record_stream`` for a later consumer's stream. All four verbs hold the
+   store's lock (backward runs on autograd's device thread, finalizers release
+   wherever an entry dies); a release from inside a prefetch (a finalizer in a
+   GC pass) leaves the buffer to the prefetch, which gives it back with its
+   own event.
+6. Host buffers are pooled in power-of-two byte sizes, as torch's pinned
+   allocator rounds them (exact sizes would never be reused when shapes vary),
+   and reused across steps (no ``cudaHostAlloc`` per step); ``empty_cache()``
+   frees the pooled buffers no copy uses. A released buffer goes back to the
+   pool with the last event that touched it, and is handed out again only once
+   that event has completed: a new put never overwrites data an earlier copy
+   still reads (the race behind NaN gradients in other offload implementations).
 7. Which store: the region's own (``Region.offload_store``), else the innermost
    `use_host_store`, else a process-wide `CudaHostStore`. CPU tensors are not
    accepted by the CUDA store, so on CPU ``OFFLOAD`` degrades to ``SAVE``.
@@ -87,9 +102,23 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """Whether a byte copy of ``t``'s strided elements is its value (NOTE rule 1)."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)  # a wrapper's shape is not its data's
+        and t.layout is torch.strided
+        and not (t.is_quantized or t.is_nested or t.is_conj() or t.is_neg())
+    )
+
+
 def nbytes(t: torch.Tensor) -> int:
     """Bytes of the elements of ``t`` (a dense tensor's storage size)."""
     return t.numel() * t.element_size()
+
+
+def _bucket(nbytes: int) -> int:
+    """``nbytes`` rounded up to a power of two: what torch's pinned allocator allocates."""
+    return 1 << max(nbytes - 1, 0).bit_length()
 
 
 def _host_buffer(size: int) -> torch.Tensor:
@@ -106,8 +135,9 @@ class HostStore(abc.ABC):
     """Where offloaded tensors live between the forward and the backward pass.
 
     Subclasses implement `put`, `prefetch`, `get` and `release`; `accepts` says
-    which tensors they take. Stores are used through `offload`, which adds
-    prefetch ordering (NOTE rule 3) and single fetches (rule 2).
+    which tensors they take and `reuse` readies a fetched value for a second
+    consumer. Stores are used through `offload`, which adds prefetch ordering
+    (NOTE rule 3) and single fetches (rule 2).
 
     Args:
         min_bytes (int, optional): tensors smaller than this stay where they
@@ -131,8 +161,12 @@ class HostStore(abc.ABC):
         return 0
 
     def accepts(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` can be offloaded: large enough and densely laid out."""
-        return t.numel() > 0 and nbytes(t) >= self.min_bytes and _dense(t)
+        """Whether ``t`` can be offloaded: a plain strided tensor, dense and large enough."""
+        return _plain(t) and t.numel() > 0 and nbytes(t) >= self.min_bytes and _dense(t)
+
+    def reuse(self, value: torch.Tensor) -> torch.Tensor:
+        """Return ``value``, fetched earlier, ready for use on the current stream."""
+        return value
 
     @abc.abstractmethod
     def put(self, t: torch.Tensor) -> Handle:
@@ -173,7 +207,9 @@ class Offloaded:
         if self._value is None:
             self._value = self._schedule.fetch(self.handle, self.seq)
             self._finalizer.detach()  # fetch released the handle already
-        return self._value
+            return self._value
+        # Another consumer, maybe on another stream than the fetch (NOTE rule 2).
+        return self._schedule.store.reuse(self._value)
 
 
 class _Schedule:
@@ -202,6 +238,8 @@ class _Schedule:
     def fetch(self, handle: Handle, seq: Order) -> torch.Tensor:
         with self.lock:
             ahead = self._ahead(self._remove(seq))
+        # The store is called without our lock: it takes its own, and `reap`
+        # (holding ours) calls its `release`.
         self.reap()
         for other in ahead:
             self.store.prefetch(other)
@@ -335,7 +373,10 @@ def current_store(region_store: HostStore | None = None) -> HostStore:
 
 
 class HostPool:
-    """Host buffers by byte size, handed out again once their last copy is done (NOTE rule 6).
+    """Host buffers in power-of-two sizes, handed out again once their last copy is done.
+
+    NOTE rule 6. A request for ``n`` bytes gets a buffer of the next power of
+    two bytes (`as_layout` views its start), so varying shapes share buffers.
 
     Args:
         allocate: makes a new ``uint8`` buffer of the given byte size.
@@ -351,25 +392,37 @@ class HostPool:
         self._done = done
         self.free: dict[int, list[torch.Tensor]] = {}
         self.busy: list[tuple[torch.Tensor, Any]] = []  # (buffer, event still running)
-        #: Buffers ever allocated (the pool's size: bounded when steps reuse them).
+        #: Buffers the pool holds, in use or free (bounded when steps reuse them).
         self.allocated = 0
-        #: Their bytes: the host memory the pool holds.
+        #: Their bytes (rounded sizes): the host memory the pool holds.
         self.bytes = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` bytes that no copy uses."""
         self._reclaim()
-        free = self.free.get(nbytes)
+        size = _bucket(nbytes)
+        free = self.free.get(size)
         if free:
             return free.pop()
         self.allocated += 1
-        self.bytes += nbytes
-        return self._allocate(nbytes)
+        self.bytes += size
+        return self._allocate(size)
 
     def give_back(self, buffer: torch.Tensor, event: Any = None) -> None:
         if event is not None and not self._done(event):
             self.busy.append((buffer, event))
         else:
             self.free.setdefault(buffer.numel(), []).append(buffer)
+
+    def trim(self) -> int:
+        """Drop the buffers no copy uses (the busy ones stay); return the bytes dropped."""
+        self._reclaim()
+        free, self.free = self.free, {}  # a reentrant give_back fills the new dict
+        dropped = [buffer for buffers in free.values() for buffer in buffers]
+        self.allocated -= len(dropped)
+        freed = sum(buffer.numel() for buffer in dropped)
+        self.bytes -= freed
+        return freed
 
     def _reclaim(self) -> None:
         busy, self.busy = self.busy, []  # a reentrant give_back appends to the new list
@@ -387,7 +440,8 @@ class FakeHostStore(HostStore):
     """A CPU-to-CPU store that records every call, to test the protocol without a GPU.
 
     It accepts CPU tensors, copies them into pooled buffers on `put`, and
-    appends ``(verb, handle)`` to `log` for every call.
+    appends ``(verb, handle)`` to `log` for every call. ``empty_cache()`` frees
+    the pooled buffers no tensor uses now.
 
     Args:
         min_bytes (int, optional): smaller tensors are not taken. Default: 0.
@@ -415,6 +469,10 @@ class FakeHostStore(HostStore):
     def host_bytes(self) -> int:
         """Bytes of the (unpinned) buffers in the pool (in use or free)."""
         return self.pool.bytes
+
+    def empty_cache(self) -> None:
+        """Free the pooled buffers that hold no offloaded tensor."""
+        self.pool.trim()
 
     def calls(self, verb: str) -> list[Handle]:
         """The handles passed to ``verb`` ("put", "prefetch", "get", "release"), in order."""

@@ -21,16 +21,33 @@ a seeded RNG picks, and turning every ordering mistake into a visible failure:
   holds nothing: if its storage died before the copy ran and no
   ``record_stream`` covered the copy's stream, the copy raises `SimulatedFault`
   (a use after free).
+- `empty_on` remembers the stream a device tensor was allocated on: a copy into
+  it on another stream that has not waited for that stream since raises
+  `SimulatedFault` (the allocator may have handed out a block whose last reader
+  on the allocating stream is still queued).
+- Several eager streams: `use_stream` makes another one current, as
+  ``torch.cuda.stream(s)``. Compute is invisible to the simulation, so a test
+  calls `read` where a consumer reads a fetched tensor: it raises unless the
+  current stream waited for the copy that wrote the tensor.
 
-Not modeled: the device allocator handing a block to a new tensor on another
-stream (``record_stream(consumer)`` in ``get`` is recorded in `calls`, not
-enforced), and the current stream's own asynchrony.
+Not modeled:
+
+- The current stream's own asynchrony: producing ops run at once, so the
+  ``wait_stream(d2h, current)`` of ``put`` is checked only by the protocol
+  test, not by any failure.
+- The allocator handing a freed block to a new tensor: ``record_stream`` for
+  the consumer stream (``get``, ``reuse``) is recorded in `calls`, not enforced.
+- Reads that tests do not report through `read`, e.g. the backward pass's own:
+  an eager stream's wait runs the copy for every stream at once, so a second
+  stream that skips its wait still finds the data there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +81,7 @@ class _Stream:
     ops: list[Any] = field(default_factory=list)
     done: int = 0  # ops run so far
     keep: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # record_stream
+    waits: list[tuple[int, _Event]] = field(default_factory=list)  # (tick, event) waited for
 
 
 @dataclass(frozen=True)
@@ -117,13 +135,18 @@ class SimulatedCuda:
         self.rng = random.Random(seed)
         self.eagerness = eagerness
         self.default = _Stream("the current stream", eager=True)
+        self.current = self.default
         self.side: list[_Stream] = []
         self.pending: list[_Copy] = []
         self.host_keys: set[int] = set()
         self.host_buffers = 0
-        #: ``(method, stream name)`` for every wait and record_stream, in order.
+        #: ``(method, stream name)`` for every wait, record_stream and empty_on, in order.
         self.calls: list[tuple[str, str]] = []
-        self._seq = itertools.count()
+        # Device tensors by storage: (allocating stream, tick) until the first
+        # copy into them, then the event of the copy that wrote them.
+        self._allocated: dict[int, tuple[_Stream, int]] = {}
+        self._written: dict[int, _Event] = {}
+        self._seq = itertools.count()  # orders copies and waits: the simulation's clock
         self._running = False  # a finalizer inside a copy must not run copies
         #: Every fault raised, also those raised where Python swallows them (finalizers).
         self.faults: list[SimulatedFault] = []
@@ -143,7 +166,7 @@ class SimulatedCuda:
 
     def current_stream(self, device: torch.device) -> _Stream:
         self._wander()
-        return self.default
+        return self.current
 
     def wait_stream(self, stream: _Stream, other: _Stream) -> None:
         self.calls.append(("wait_stream", stream.name))
@@ -168,13 +191,18 @@ class SimulatedCuda:
         return buffer
 
     def empty_on(self, stream: _Stream, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+        self.calls.append(("empty_on", stream.name))
         size = like.untyped_storage().nbytes() if like.numel() else 0
         raw = torch.full((max(size, 1),), 0xFF, dtype=torch.uint8)
         out = torch.empty(0, dtype=like.dtype)
-        return out.set_(raw.untyped_storage(), 0, like.shape, like.stride())
+        out.set_(raw.untyped_storage(), 0, like.shape, like.stride())
+        self._allocated[_key(out)] = (stream, next(self._seq))
+        self._written.pop(_key(out), None)  # a stale entry of a freed tensor at this address
+        return out
 
     def copy_on(self, stream: _Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._wander()
+        self._check_allocation(stream, dst)
         if _key(src) in self.host_keys:  # a pooled host buffer: the pool keeps it alive
             strong, weak = src, None
         else:  # a device tensor: the allocator keeps nothing alive for a copy
@@ -185,21 +213,57 @@ class SimulatedCuda:
             return
         stream.ops.append(op)
         self.pending.append(op)
+        self._written[_key(dst)] = _Event(stream, len(stream.ops))
 
     def record_stream(self, t: torch.Tensor, stream: _Stream) -> None:
         self.calls.append(("record_stream", stream.name))
         if not stream.eager:
             stream.keep.append((len(stream.ops), t))
 
-    # -- running queued work ---------------------------------------------
+    # -- what the store does not call ------------------------------------
+
+    @contextlib.contextmanager
+    def use_stream(self, name: str) -> Iterator[None]:
+        """Make a new eager stream current inside, as ``with torch.cuda.stream(s)``."""
+        outer, self.current = self.current, _Stream(name, eager=True)
+        try:
+            yield
+        finally:
+            self.current = outer
+
+    def read(self, t: torch.Tensor) -> None:
+        """A consumer reads ``t`` on the current stream: it must have waited for its copy."""
+        written = self._written.get(_key(t))
+        if written is not None and not any(
+            event.stream is written.stream and event.position >= written.position
+            for _, event in self.current.waits
+        ):
+            self._fault(
+                f"{self.current.name} read a tensor without waiting for the copy on "
+                f"{written.stream.name} that wrote it"
+            )
 
     def synchronize(self) -> None:
         """Run everything queued, as ``torch.cuda.synchronize()``."""
         for stream in self.side:
             self._force(_Event(stream, len(stream.ops)))
 
+    def _check_allocation(self, stream: _Stream, dst: torch.Tensor) -> None:
+        allocated = self._allocated.pop(_key(dst), None)
+        if allocated is None or allocated[0] is stream:
+            return
+        owner, tick = allocated
+        if not any(at > tick and event.stream is owner for at, event in stream.waits):
+            self._fault(
+                f"a copy on {stream.name} wrote a tensor allocated on {owner.name} "
+                f"without waiting for {owner.name}"
+            )
+
+    # -- running queued work ---------------------------------------------
+
     def _wait(self, stream: _Stream, event: _Event) -> None:
         self._wander()
+        stream.waits.append((next(self._seq), event))
         if stream.eager:
             self._force(event)
         else:

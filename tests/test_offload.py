@@ -164,6 +164,37 @@ def test_pool_bounded_over_steps() -> None:
     assert sizes[-1] == sizes[0] <= 8
 
 
+def test_pool_bounded_with_varying_lengths() -> None:
+    # Pinned requests are rounded up to a power of two: buffers are pooled by
+    # that size, so variable sequence lengths share them.
+    store = FakeHostStore()
+    ws = make_inputs(4)[1:]
+    wrapped = stack(remat.remat(block, policy="offload-dots"), 4)
+    counts = []
+    for step in range(20):
+        x = torch.randn((5, 7, 9, 12, 16)[step % 5], 4, requires_grad=True)
+        with use_host_store(store):
+            out = wrapped(x, *ws)
+        out.sum().backward()
+        counts.append(store.pool.allocated)
+    # Dots of 16 * length bytes: 8 per step in the 128-byte bucket, or in the 256-byte one.
+    assert counts[-1] == counts[4] == 16, counts
+    assert sorted(store.pool.free) == [128, 256]
+    held = [buffer.numel() for free in store.pool.free.values() for buffer in free]
+    assert store.host_bytes == sum(held) == 8 * 128 + 8 * 256
+    store.empty_cache()
+    assert store.host_bytes == store.pool.allocated == 0 and not store.pool.free
+
+
+def test_empty_cache_keeps_buffers_in_use() -> None:
+    store = FakeHostStore()
+    kept, dropped = store.put(torch.randn(3)), store.put(torch.randn(5))
+    store.release(dropped)
+    store.empty_cache()
+    assert store.host_bytes == 16 and store.pool.allocated == 1
+    torch.testing.assert_close(store.get(kept), store.live[kept][1])
+
+
 def test_dropped_graph_releases_everything() -> None:
     store = FakeHostStore()
     with use_host_store(store):
@@ -250,6 +281,66 @@ def test_offload_api_for_engines() -> None:
     del entries
     gc.collect()
     assert store.log[-1] == ("release", 0) and not store.live
+
+
+class Sub(torch.Tensor):
+    pass
+
+
+# torch deprecates creating quantized tensors, not what they are.
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+def test_only_plain_strided_tensors_are_accepted() -> None:
+    # A D2H copy_ of a conj or neg view applies the bit to the host copy before
+    # the transfer lands; other layouts, quantized tensors and subclasses (a
+    # wrapper reports its global shape) are not their own bytes either.
+    store = FakeHostStore()
+    z = torch.randn(16, dtype=torch.complex64)
+    assert store.accepts(z) and store.accepts(torch.nn.Parameter(torch.randn(4)))
+    assert not store.accepts(z.conj())
+    assert not store.accepts(torch._neg_view(torch.randn(16)))
+    assert not store.accepts(torch.randn(4, 4).to_sparse())
+    assert not store.accepts(torch.randn(16).as_subclass(Sub))
+    assert not store.accepts(torch.quantize_per_tensor(torch.randn(16), 0.1, 0, torch.qint8))
+
+
+@pytest.mark.parametrize("policy", ["offload-dots", "offload:conj"])
+def test_conjugate_of_an_offloaded_dot(policy: str) -> None:
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        c = remat.checkpoint_name(h.conj(), "conj")  # a conj view: kept on the device
+        return (c * h).real.sin() + c.imag.cos()
+
+    x = torch.randn(6, 4, dtype=torch.complex64)
+    w = torch.randn(4, 4, dtype=torch.complex64, requires_grad=True)
+    store = FakeHostStore()
+    with use_host_store(store):
+        out = remat.remat(f, policy=policy)(x, w)
+    (g,) = torch.autograd.grad(out.sum(), [w])
+    torch.testing.assert_close(g, torch.autograd.grad(f(x, w).sum(), [w])[0])
+    assert not store.live
+
+
+class ReusingStore(FakeHostStore):
+    """A fake store that records which cached values were handed out again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reused: list[torch.Tensor] = []
+
+    def reuse(self, value: torch.Tensor) -> torch.Tensor:
+        self.reused.append(value)
+        return value
+
+
+def test_cached_value_goes_through_reuse() -> None:
+    # A second consumer may run on another stream: the store readies the value for it.
+    store = ReusingStore()
+    entry = offload(torch.randn(4), store)
+    assert entry is not None
+    first = entry.get()
+    assert store.reused == []
+    assert entry.get() is first and entry.get() is first
+    assert len(store.reused) == 2 and all(v is first for v in store.reused)
 
 
 def test_store_arguments_checked() -> None:

@@ -10,6 +10,7 @@ simulation catches it, so a green run here means each rule is present.
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import remat
-from remat._offload import use_host_store
+from remat._cuda_store import CudaHostStore
+from remat._offload import offload, use_host_store
 
 SEEDS = range(12)
 
@@ -132,10 +134,108 @@ def test_protocol_calls() -> None:
     h2d = store._streams[0][1].name
     assert runtime.calls[2:] == [
         ("wait_event", h2d),  # the host copy is complete
+        ("empty_on", h2d),  # allocated for h2d: no wait for the consumer's queued work
         ("wait_event", "the current stream"),  # the fetched copy is complete
         ("record_stream", "the current stream"),
     ]
     store.release(handle)
+
+
+def test_second_reader_on_another_stream_waits_for_the_fetch() -> None:
+    # Autograd runs each backward node on its forward's stream: the cached value
+    # of an entry read by two nodes reaches a stream that did not fetch it.
+    runtime = SimulatedCuda(0, eagerness=0)
+    store = simulated_store(runtime, min_bytes=0)
+    entry = offload(torch.randn(4, 4), store)
+    assert entry is not None
+    with runtime.use_stream("stream A"):
+        first = entry.get()
+        runtime.read(first)
+    runtime.calls.clear()
+    with runtime.use_stream("stream B"):
+        second = entry.get()
+        runtime.read(second)
+    assert second is first
+    assert runtime.calls == [("wait_event", "stream B"), ("record_stream", "stream B")]
+    assert not runtime.faults
+
+
+def test_a_read_without_a_wait_is_caught() -> None:
+    # Negative control for `read`: the second stream skips `reuse`.
+    runtime = SimulatedCuda(0, eagerness=0)
+    store = simulated_store(runtime, min_bytes=0)
+    handle = store.put(torch.randn(4, 4))
+    with runtime.use_stream("stream A"):
+        value = store.get(handle)
+    with runtime.use_stream("stream B"), pytest.raises(SimulatedFault, match="without waiting"):
+        runtime.read(value)
+    store.release(handle)
+
+
+class ReleasesInsideCopy(SimulatedCuda):
+    """Releases a handle while the store queues a host-to-device copy.
+
+    As a finalizer does when a GC pass runs inside `prefetch` (``same_thread``),
+    or as the main thread does while autograd's device thread prefetches.
+    """
+
+    def __init__(self, same_thread: bool) -> None:
+        super().__init__(0, eagerness=0)
+        #: The store and handle to release inside the next host-to-device copy.
+        self.target: tuple[CudaHostStore, int] | None = None
+        self.same_thread = same_thread
+        self.released_inside = False
+        self.thread: threading.Thread | None = None
+
+    def copy_on(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        super().copy_on(stream, dst, src)
+        if self.target is None or src.untyped_storage().data_ptr() not in self.host_keys:
+            return  # not a host-to-device copy
+        store, handle = self.target
+        self.target = None
+        if self.same_thread:
+            store.release(handle)
+            return
+        done = threading.Event()
+        self.thread = threading.Thread(target=lambda: (store.release(handle), done.set()))
+        self.thread.start()
+        self.released_inside = done.wait(0.2)  # the store's lock should hold it back
+
+
+@pytest.mark.parametrize("same_thread", [True, False])
+def test_release_during_prefetch_keeps_the_buffer_until_its_copy(same_thread: bool) -> None:
+    runtime = ReleasesInsideCopy(same_thread)
+    store = simulated_store(runtime, min_bytes=0)
+    first = store.put(torch.randn(8, 8))
+    runtime.synchronize()  # the host copy is done: only the prefetch will read the buffer
+    buffer = store._slots[first].buffer
+    runtime.target = (store, first)
+    store.prefetch(first)
+    if runtime.thread is not None:
+        assert not runtime.released_inside, "a release ran in the middle of a prefetch"
+        runtime.thread.join()
+    assert first not in store._slots
+    second = store.put(torch.randn(8, 8))
+    assert store._slots[second].buffer is not buffer, "buffer handed out under a pending read"
+    runtime.synchronize()
+    assert not runtime.faults
+    store.release(second)
+
+
+def test_empty_cache_frees_only_buffers_no_copy_uses() -> None:
+    runtime = SimulatedCuda(0, eagerness=0)
+    store = simulated_store(runtime, min_bytes=0)
+    kept, busy = store.put(torch.randn(8, 8)), store.put(torch.randn(16, 16))
+    store.prefetch(busy)
+    store.release(busy)  # its host-to-device copy has not run
+    store.empty_cache()
+    assert store.host_bytes == 256 + 1024 and store.pool.allocated == 2
+    runtime.synchronize()
+    store.empty_cache()
+    assert store.host_bytes == 256 and store.pool.allocated == 1
+    store.release(kept)
+    store.empty_cache()
+    assert store.host_bytes == 0 and store.pool.allocated == 0 and not store.pool.free
 
 
 def test_pool_reused_over_steps() -> None:
@@ -199,6 +299,13 @@ class SkipsRecordStream(SimulatedCuda):
         pass
 
 
+class AllocatesOnConsumer(SimulatedCuda):
+    """The fetched tensor is allocated on the consumer stream, which h2d never waits for."""
+
+    def empty_on(self, stream: Any, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return super().empty_on(self.current, like, device)
+
+
 class PoolIgnoresEvents(SimulatedCuda):
     """The pool hands a buffer out again before the copy reading it has run."""
 
@@ -221,7 +328,9 @@ def _caught(step: Callable[[SimulatedCuda], Any], broken: type[SimulatedCuda]) -
 
 # A fault in a finalizer reaches pytest as an unraisable-exception warning.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("broken", [SkipsSideWaits, ConsumerSkipsWait, SkipsRecordStream])
+@pytest.mark.parametrize(
+    "broken", [SkipsSideWaits, ConsumerSkipsWait, SkipsRecordStream, AllocatesOnConsumer]
+)
 def test_each_missing_rule_is_caught(broken: type[SimulatedCuda]) -> None:
     assert _caught(eager_step, broken) > 0
     assert _caught(functional_step, broken) > 0
