@@ -1,5 +1,5 @@
 """Capture and restore the random state a region's forward saw, so that its
-recompute draws the same dropout masks."""
+recompute draws the same dropout masks; refuse a recompute that cannot."""
 
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ import dataclasses
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["RngState"]
+from ._errors import RematError
+
+__all__ = ["RngState", "check_batched_recompute", "vmap_levels"]
+
+_VMAP = torch._C._functorch.TransformType.Vmap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +36,13 @@ class RngState:
         cuda = tuple((d, torch.cuda.get_rng_state(d)) for d in devices)
         return cls(torch.get_rng_state(), cuda)
 
+    def drawn(self) -> bool:
+        """Whether a generator moved since the capture: the region drew random numbers."""
+        with _disable_current_modes():  # our comparison is no op of an enclosing region
+            if not torch.equal(torch.get_rng_state(), self.cpu):
+                return True
+            return any(not torch.equal(torch.cuda.get_rng_state(d), s) for d, s in self.cuda)
+
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
         """Run the block with the captured state, then put the current state back."""
@@ -44,3 +57,35 @@ class RngState:
             torch.set_rng_state(cpu_now)
             for device, state in cuda_now:
                 torch.cuda.set_rng_state(state, device)
+
+
+def vmap_levels() -> frozenset[int]:
+    """The levels of the live ``vmap`` transforms."""
+    return frozenset(i.level() for i in retrieve_all_functorch_interpreters() if i.key() == _VMAP)
+
+
+def check_batched_recompute(random: bool, forward_levels: frozenset[int], label: str) -> None:
+    """Raise when a random region is recomputed under a ``vmap`` its forward did not run in.
+
+    Restoring the generator replays the forward's draws only if the recompute
+    draws the same shapes: under a new ``vmap`` (``jacrev``, ``vmap`` over a
+    ``vjp_fn`` or over ``torch.autograd.grad``) a random op would draw per
+    batch element (``randomness="different"``) or fail (``"error"``).
+    ``"same"`` draws the forward's values again. (``is_grads_batched=True``
+    uses torch's older vmap, which refuses random ops by itself.)
+    """
+    if not random:
+        return
+    for interpreter in retrieve_all_functorch_interpreters():
+        if interpreter.key() != _VMAP or interpreter.level() in forward_levels:
+            continue
+        randomness = interpreter.randomness()  # type: ignore[attr-defined]
+        if randomness != "same":
+            raise RematError(
+                f"remat: {label} draws random numbers (dropout, rand) in its forward, and its "
+                "backward runs under a vmap its forward did not run in (jacrev, vmap over a "
+                "vjp_fn or over torch.autograd.grad) with "
+                f"randomness={randomness!r}: the recompute cannot draw the forward's random "
+                "numbers again. Use policy='everything-saveable' for this region, "
+                "vmap(..., randomness='same'), or keep the random ops out of the region."
+            )

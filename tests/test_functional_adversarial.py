@@ -488,3 +488,57 @@ def test_nested_forward_mode(kind: str, policy: str) -> None:
     actual = _second_order_forward(kind, lambda v: region(x, v))(w)
     optree.tree_map(torch.testing.assert_close, actual, expected)
     assert all(bool(t.abs().sum() > 0) for t in optree.tree_leaves(expected))  # not zero anyway
+
+
+# -- random regions whose backward runs under a new vmap (found by review) ----------
+
+
+def _dropout_region(policy: str) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    def f(h: torch.Tensor) -> torch.Tensor:
+        return F.dropout(torch.sin(h), 0.5, training=True) * 2
+
+    return f, remat.remat(f, policy=policy)
+
+
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable"])
+@pytest.mark.parametrize("randomness", ["different", "error"])
+def test_random_region_backward_under_a_new_vmap_raises(policy: str, randomness: str) -> None:
+    _, g = _dropout_region(policy)
+    x = torch.randn(6, dtype=D)
+    _, vjp_fn = vjp(g, x)
+    with pytest.raises(remat.RematError, match="draws random numbers"):
+        vmap(vjp_fn, randomness=randomness)(torch.eye(6, dtype=D))
+    with pytest.raises(remat.RematError, match="draws random numbers"):
+        jacrev(g)(x)
+
+
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable"])
+def test_random_region_backward_under_vmap_same_randomness(policy: str) -> None:
+    f, g = _dropout_region(policy)
+    x = torch.randn(6, dtype=D)
+    torch.manual_seed(0)
+    _, expected_fn = vjp(f, x)
+    torch.manual_seed(0)
+    _, vjp_fn = vjp(g, x)
+    eye = torch.eye(6, dtype=D)
+    torch.testing.assert_close(
+        vmap(vjp_fn, randomness="same")(eye), vmap(expected_fn, randomness="same")(eye)
+    )
+
+
+def test_random_eager_region_with_vmapped_autograd_grad_raises() -> None:
+    _, g = _dropout_region("nothing-saveable")
+    x = torch.randn(6, dtype=D, requires_grad=True)
+    out = g(x)
+
+    def row(v: torch.Tensor) -> torch.Tensor:
+        return torch.autograd.grad(out, x, v, retain_graph=True)[0]
+
+    with pytest.raises(remat.RematError, match="draws random numbers"):
+        vmap(row, randomness="different")(torch.eye(6, dtype=D))
+
+
+def test_deterministic_region_backward_under_a_new_vmap_still_runs() -> None:
+    g = remat.remat(lambda h: torch.sin(h) * h)
+    x = torch.randn(6, dtype=D)
+    torch.testing.assert_close(jacrev(g)(x), jacrev(lambda h: torch.sin(h) * h)(x))

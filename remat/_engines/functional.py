@@ -98,7 +98,7 @@ from .._errors import RematError
 from .._offload import Offloaded, current_store, next_serial, offload, placeholder_for
 from .._region import Region
 from .._replay import OpLog, OpRecord, RecordMode, ReplayMode, physical
-from .._rng import RngState
+from .._rng import RngState, check_batched_recompute, vmap_levels
 from .._state import is_recomputing, local, recomputing
 from ..policies import Decision, Policy
 
@@ -184,6 +184,9 @@ class _Call:
         self.outer_levels = {i.level() for i in retrieve_all_functorch_interpreters()}
         self.guard: _HiddenInputGuard | None = None
         self.rng: RngState | None = None
+        #: Whether the forward drew random numbers, and under which vmap levels.
+        self.random = False
+        self.vmap_levels = vmap_levels()
         self.autocast = AutocastState.capture()
         #: Offloaded kept outputs (NOTE rule 8): (record, position, entry).
         self.offloaded: list[tuple[OpRecord, int, Offloaded]] = []
@@ -284,6 +287,7 @@ class _Call:
                 with RecordMode(self.log):
                     out = self.run_as_differentiated(tensors)
         self.guard = None
+        self.random = self.rng is not None and self.rng.drawn()
         if self.log is not None:
             self.offload_kept(tensors, out)
         # autograd.Function refuses to save an input it also returns as-is: return a view.
@@ -392,6 +396,7 @@ class _RematFunction(torch.autograd.Function):
         ]
         if not wanted:
             return (None,) * (len(inputs) + 1)
+        check_batched_recompute(call.random, call.vmap_levels, call.region.label)
         keep_graph = _backward_is_differentiated(inputs, grads)
         # A level that has exited (a vjp_fn called after its vjp returned) left dead
         # wrappers; unwrap them as functorch does for saved values of aten ops.

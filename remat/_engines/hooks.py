@@ -66,7 +66,7 @@ from .._offload import (
 from .._pytree import flatten, tensor_leaves, tree_map
 from .._region import Region
 from .._replay import TAG, OpLog, OpRecord, RecordMode, ReplayMode, side_by_side
-from .._rng import RngState
+from .._rng import RngState, check_batched_recompute
 from .._state import local, recomputing
 from ..policies import Decision
 
@@ -125,6 +125,7 @@ class Frame:
         #: (shape, dtype, device) of each saved tensor; kept only for the determinism check.
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.rng = RngState.capture(self.inputs) if region.preserve_rng_state else None
+        self.random = False  # whether the forward drew random numbers (set after it)
         self.autocast = AutocastState.capture()
         self.state_guard = state_guard_of(region.fn, leaves, region.label)
         self.versions: list[int] = []
@@ -156,6 +157,7 @@ class Frame:
             out = self.region.fn(*self.args, **self.kwargs)
         self.versions = [t._version for t in self.inputs]
         self.mutated_in_forward = self.versions != start_versions
+        self.random = self.rng is not None and self.rng.drawn()
         self.phase = "done"
         self.finish_forward(out)
         return out
@@ -379,6 +381,8 @@ class Frame:
         if not self.needed:
             return
         self.check_inputs()
+        # Eager regions run outside every transform: any vmap now is new.
+        check_batched_recompute(self.random, frozenset(), self.region.label)
         self.stop_at = max(self.needed)
         restored = self.restore_offloaded(max(h.clock for h in self.needed.values()))
         live = self.liveness(alive) if self.log is not None else None
