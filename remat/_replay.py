@@ -49,6 +49,7 @@ from .policies import Decision, Policy
 
 __all__ = [
     "TAG",
+    "storage_address",
     "OpLog",
     "OpRecord",
     "RecordMode",
@@ -72,6 +73,13 @@ def _inherit_tag(source: Any, out: Any) -> None:
     tag = getattr(source, TAG, None)
     if tag is not None and isinstance(out, torch.Tensor):
         setattr(out, TAG, tag)
+
+
+def storage_address(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage; 0 when it has none (sparse, nested, a zero tensor)."""
+    if t.layout is not torch.strided or t.is_nested or t._is_zerotensor():
+        return 0
+    return int(t.untyped_storage().data_ptr())
 
 
 def physical(t: torch.Tensor) -> torch.Tensor:
@@ -219,7 +227,7 @@ class OpLog:
 
     def _keep(self, rec: OpRecord, position: int, tensor: torch.Tensor) -> None:
         rec.keep(position, tensor, len(rec.metas))
-        address = tensor.untyped_storage().data_ptr()
+        address = storage_address(tensor)
         if address:
             self.kept_storages.setdefault(address, []).append((rec, position))
 
@@ -227,7 +235,7 @@ class OpLog:
         self, traits: _Traits, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         for tensor in _written(traits, args, kwargs):
-            for rec, position in self.kept_storages.get(tensor.untyped_storage().data_ptr(), ()):
+            for rec, position in self.kept_storages.get(storage_address(tensor), ()):
                 rec.mark_mutated(position)
 
     def _producers(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:

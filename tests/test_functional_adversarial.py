@@ -542,3 +542,23 @@ def test_deterministic_region_backward_under_a_new_vmap_still_runs() -> None:
     g = remat.remat(lambda h: torch.sin(h) * h)
     x = torch.randn(6, dtype=D)
     torch.testing.assert_close(jacrev(g)(x), jacrev(lambda h: torch.sin(h) * h)(x))
+
+
+# linearize traces its jvp with zero tensors, which have no storage (found by review).
+@pytest.mark.filterwarnings("ignore:Attempted to insert a get_attr Node")  # torch's const folding
+@pytest.mark.parametrize(
+    "policy", ["everything-except:a", "save-last", "dots-saveable", "offload-dots", "save:a"]
+)
+def test_linearize(policy: str) -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 4, dtype=D), torch.randn(4, 4, dtype=D)
+
+    def f(h: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.sin(remat.checkpoint_name(h @ v, "a")).sum(-1)
+
+    region = remat.remat(f, policy=policy)
+    with remat.use_host_store(FakeHostStore(min_bytes=0)):
+        out, jvp_fn = torch.func.linearize(lambda v: region(x, v), w)
+    expected_out, expected_fn = torch.func.linearize(lambda v: f(x, v), w)
+    torch.testing.assert_close(out, expected_out)
+    torch.testing.assert_close(jvp_fn(w.cos()), expected_fn(w.cos()))

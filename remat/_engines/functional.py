@@ -97,7 +97,7 @@ from .._closure import Bindings, find_closed_over
 from .._errors import RematError
 from .._offload import Offloaded, current_store, next_serial, offload, placeholder_for
 from .._region import Region
-from .._replay import OpLog, OpRecord, RecordMode, ReplayMode, physical
+from .._replay import OpLog, OpRecord, RecordMode, ReplayMode, physical, storage_address
 from .._rng import RngState, check_batched_recompute, vmap_levels
 from .._state import is_recomputing, local, recomputing
 from ..policies import Decision, Policy
@@ -309,7 +309,7 @@ class _Call:
             return
         # Region inputs, parameters (inputs here) and outputs are alive anyway:
         # a value sharing storage with one of them frees nothing when moved.
-        alive = {_storage(physical(t)) for t in (*tensors, *out)}
+        alive = {storage_address(physical(t)) for t in (*tensors, *out)}
         store = None
         serial = next_serial()
         for index, record in enumerate(log.records):
@@ -320,7 +320,7 @@ class _Call:
                     t is None
                     or record.decision_at(position) is not Decision.OFFLOAD
                     or t._version != record.versions[position]
-                    or _storage(t) in alive
+                    or storage_address(t) in alive
                 ):
                     continue
                 if store is None:
@@ -505,13 +505,6 @@ def _below_all_levels() -> Iterator[None]:
     """Plain tensor ops, seen by no dispatch mode and no functorch level (store copies)."""
     with _disable_current_modes(), torch._C._DisableFuncTorch():
         yield
-
-
-def _storage(t: torch.Tensor) -> int:
-    """The address of ``t``'s storage; 0 when it has none (sparse, nested, empty)."""
-    if t.layout is not torch.strided or t.is_nested:
-        return 0
-    return int(t.untyped_storage().data_ptr())
 
 
 
