@@ -201,14 +201,24 @@ class StateGuard:
 
     def _check(self, pin: _Pin) -> None:
         t = pin.tensor
-        if t._version != pin.version or (pin.storage is not None and _storage(t) != pin.storage):
-            raise SavedInputMutatedError(
-                f"remat: the {pin} (shape {tuple(t.shape)}) was modified in place between "
-                f"the forward pass of {self.label} and its recompute (version "
-                f"{t._version}, expected {pin.version}; an optimizer step or a '.data' "
-                "assignment before backward?), so the recompute would use the new values. "
-                "Call backward before modifying parameters."
+        if t._version == pin.version and (pin.storage is None or _storage(t) == pin.storage):
+            return
+        if pin.table is pin.module._parameters:
+            cause = "an optimizer step or a '.data' assignment before backward?"
+            fix = "Call backward before modifying parameters."
+        else:
+            cause = "the module updates it in its forward and ran again before backward?"
+            fix = (
+                "If the module updates this buffer in forward (running statistics, a power "
+                "iteration), declare it stateful: remat.register_stateful(type(module)) or "
+                "module.remat_stateful = True."
             )
+        raise SavedInputMutatedError(
+            f"remat: the {pin} (shape {tuple(t.shape)}) was modified in place between the "
+            f"forward pass of {self.label} and its recompute (version {t._version}, "
+            f"expected {pin.version}; {cause}), so the recompute would use the new "
+            f"values. {fix}"
+        )
 
     def _copies(self) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
         # Outside the record/replay modes: the copies are not ops of the region.

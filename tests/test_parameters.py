@@ -190,3 +190,37 @@ def test_stateful_module_called_twice_before_backward() -> None:
     expected = torch.autograd.grad((net(a) + net(b)).sum(), list(net.parameters()))
     actual = torch.autograd.grad((wrapped(a) + wrapped(b)).sum(), list(wrapped.parameters()))
     assert_close_all(actual, expected)
+
+
+class PowerIteration(nn.Module):
+    """A buffer updated in place by every forward, like spectral norm's ``weight_u``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.double))
+        self.register_buffer("u", torch.ones(4, dtype=torch.double))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.u.copy_(torch.nn.functional.normalize(self.w @ self.u, dim=0))
+        return (h @ self.w * self.u.clone()).tanh()
+
+
+def test_buffer_updated_by_a_second_forward_raises_with_the_cure() -> None:
+    module = remat.wrap(PowerIteration())
+    out = module(x().requires_grad_()) + module(x() * 2)
+    with pytest.raises(remat.SavedInputMutatedError, match="remat_stateful = True"):
+        out.sum().backward()
+
+
+def test_buffer_updated_by_a_second_forward_of_a_stateful_module() -> None:
+    torch.manual_seed(0)
+    plain = PowerIteration()
+    stateful = copy.deepcopy(plain)
+    stateful.remat_stateful = True
+    wrapped = remat.wrap(stateful)
+    a, b = x(), x() * 2
+    expected = torch.autograd.grad((plain(a) + plain(b)).sum(), plain.w)
+    actual = torch.autograd.grad((wrapped(a) + wrapped(b)).sum(), wrapped.w)
+    assert_close_all(actual, expected)
+    torch.testing.assert_close(wrapped.u, plain.u)  # updated once per real forward
