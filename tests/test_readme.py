@@ -21,4 +21,6 @@ def test_readme_names_the_commands_ci_runs() -> None:
     ci = (README.parent / ".ci" / "run").read_text()
     assert "python -m pytest" in text and "python -m pytest" in ci
     assert "pip install torch==2.13.0" in text and "torch==2.13.0" in ci
+    assert 'pip install -e ".[dev,docs]" && python -m pytest' in text
+    assert '-e ".[dev,docs]"' in ci
     assert "python -m remat" in text
