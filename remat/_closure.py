@@ -45,7 +45,7 @@ from typing import Any
 import optree
 import torch
 
-from ._state import local
+from ._state import is_recomputing, local
 
 __all__ = ["Bindings", "find_closed_over", "global_names", "is_tracked"]
 
@@ -102,15 +102,21 @@ class Bindings:
         local.slot_swaps += 1
         try:
             for slot, indices in self._slots:
-                saved.append((slot, slot.get()))
                 leaves = list(slot.leaves)
                 for position, index in zip(slot.positions, indices, strict=True):
                     leaves[position] = replacements[index]
-                slot.set(optree.tree_unflatten(slot.treedef, leaves))
+                installed = optree.tree_unflatten(slot.treedef, leaves)
+                saved.append((slot, slot.get(), installed))
+                slot.set(installed)
             yield
         finally:
             local.slot_swaps -= 1
-            for slot, old in reversed(saved):
+            keep_rebound = not is_recomputing()
+            for slot, old, installed in reversed(saved):
+                # A forward that stores a new plain value in the slot (``self.last =
+                # h.detach()``) keeps it; what a recompute stores is undone.
+                if keep_rebound and not slot.positions and slot.get() is not installed:
+                    continue
                 slot.set(old)
 
 

@@ -224,3 +224,26 @@ def test_buffer_updated_by_a_second_forward_of_a_stateful_module() -> None:
     actual = torch.autograd.grad((wrapped(a) + wrapped(b)).sum(), wrapped.w)
     assert_close_all(actual, expected)
     torch.testing.assert_close(wrapped.u, plain.u)  # updated once per real forward
+
+
+class KeepsLast(nn.Module):
+    """Stores a plain tensor on itself in forward (for logging or visualisation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+        self.last = torch.zeros(8, 4, dtype=torch.double)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.lin(h).tanh()
+        self.last = out.detach()
+        return out.sum()
+
+
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable"])
+def test_plain_attribute_stored_in_forward_survives_torch_func(policy: str) -> None:
+    module = remat.wrap(KeepsLast(), policy=policy)
+    params = dict(module.named_parameters())
+    torch.func.grad(lambda p: functional_call(module, p, (x(),)))(params)
+    with torch.no_grad():  # what the forward stored, not the zeros from before
+        torch.testing.assert_close(module.last, module.lin(x()).tanh())
