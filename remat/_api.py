@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeVar, overload
 import torch
 
 from . import policies
+from ._compile import uncompiled
 from ._engines.hooks import run_eager
 from ._errors import RematError
 from ._offload import HostStore
@@ -19,10 +20,9 @@ from ._region import Region, describe_callable
 from ._state import local
 from .policies import PolicyLike
 
-__all__ = ["call_region", "checkpoint", "checkpoint_name", "make_region", "remat", "uncompiled"]
+__all__ = ["call_region", "checkpoint", "checkpoint_name", "make_region", "remat"]
 
 T = TypeVar("T")
-R = TypeVar("R")
 F = TypeVar("F", bound=Callable[..., Any])
 Engine = Literal["auto", "eager", "functional"]
 _ENGINES = ("auto", "eager", "functional")
@@ -189,19 +189,6 @@ def make_region(
         offload_store=offload_store,
         engine=engine,
     )
-
-
-def uncompiled(fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-    """``fn(*args, **kwargs)``, run eagerly when ``torch.compile`` traces this call.
-
-    Dynamo cannot trace the engines (saved-tensor hooks, dispatch modes, functorch
-    internals): a region runs eagerly, as a graph break, and the code around it
-    compiles.
-    """
-    if torch.compiler.is_compiling():
-        eager: Callable[..., R] = torch.compiler.disable(fn)
-        return eager(*args, **kwargs)
-    return fn(*args, **kwargs)
 
 
 def call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -36,7 +36,8 @@ from typing import Any, TypeVar
 from torch import nn
 
 from . import policies
-from ._api import call_region, make_region, remat, uncompiled
+from ._api import call_region, make_region, remat
+from ._compile import uncompiled
 from ._module_state import StateGuard
 from .policies import PolicyLike
 

@@ -77,3 +77,26 @@ def test_compiled_module_with_wrapped_blocks() -> None:
     compiled = torch.compile(net, backend="aot_eager")
     actual = torch.autograd.grad(compiled(x).square().sum(), list(net.parameters()))
     assert_close_all(actual, expected)
+
+
+@pytest.mark.parametrize("policy", ["nothing-saveable", "save-last", "dots-saveable"])
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x: x.exp().exp().tanh(), lambda x: x.exp() + x.tanh() + x.sigmoid()],
+    ids=["chain", "sum"],
+)
+def test_backward_inside_compiled_code(policy: str, fn: Callable[..., torch.Tensor]) -> None:
+    # Found by review: Dynamo compiled the recompute that ``backward()`` runs,
+    # which then saved other tensors than the forward (wrong gradients).
+    torch._dynamo.reset()
+
+    def step(x: torch.Tensor, f: Callable[..., torch.Tensor]) -> torch.Tensor:
+        loss = f(x).square().sum()
+        loss.backward()
+        return loss.detach()
+
+    x = torch.linspace(-1, 1, 8, dtype=torch.double).reshape(2, 4).requires_grad_()
+    step(x, fn)
+    expected, x.grad = x.grad, None
+    torch.compile(step, backend="aot_eager")(x, remat.remat(fn, policy=policy))
+    torch.testing.assert_close(x.grad, expected)

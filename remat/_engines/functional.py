@@ -94,6 +94,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from .._autocast import AutocastState
 from .._closure import Bindings, find_closed_over
+from .._compile import uncompiled
 from .._errors import RematError
 from .._offload import Offloaded, current_store, next_serial, offload, placeholder_for
 from .._region import Region
@@ -389,54 +390,64 @@ class _RematFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        call: _Call = ctx.call
-        inputs: tuple[torch.Tensor, ...] = ctx.saved_tensors
-        wanted = [
-            i for i, t in enumerate(inputs) if ctx.needs_input_grad[i + 1] and _differentiable(t)
-        ]
-        if not wanted:
-            return (None,) * (len(inputs) + 1)
-        check_batched_recompute(call.random, call.vmap_levels, call.region.label)
-        keep_graph = _backward_is_differentiated(inputs, grads)
-        # A level that has exited (a vjp_fn called after its vjp returned) left dead
-        # wrappers; unwrap them as functorch does for saved values of aten ops.
-        inputs = tuple(_functorch.unwrap_if_dead(t) for t in inputs)
-        replay = not _forward_ad_active()
-        if replay:
-            call.restore_offloaded()
-        try:
-            with contextlib.nullcontext() if keep_graph else torch.no_grad():
-                found = _recompute_vjp(call, inputs, wanted, grads, replay=replay)
-        finally:
-            if replay:
-                call.drop_offloaded()
-        result: list[torch.Tensor | None] = [None] * len(inputs)
-        for i, g in zip(wanted, found, strict=True):
-            result[i] = g
-        return (None, *result)
+        return uncompiled(_backward, ctx, grads)  # never compiled: see ``_compile.py``
 
     @staticmethod
     def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        call: _Call = ctx.call
-        inputs = tuple(_functorch.unwrap_if_dead(t) for t in ctx.saved_tensors)
-        moving = [
-            i
-            for i, (t, d) in enumerate(zip(inputs, tangents[1:], strict=True))
-            if d is not None and _differentiable(t)
-        ]
-        outputs = [i for i, p in enumerate(call.out_positions) if _is_float(call, i)]
+        return uncompiled(_jvp, ctx, tangents)
 
-        # Forward-mode AD interleaves tangent ops with the primal ones: no replay.
-        with call.recompute(replay=False):
-            out_tangents = torch.func.jvp(
-                call.partial(inputs, moving, outputs),
-                tuple(inputs[i] for i in moving),
-                tuple(tangents[i + 1] for i in moving),
-            )[1]
-        result: list[torch.Tensor | None] = [None] * len(call.out_positions)
-        for i, t in zip(outputs, out_tangents, strict=True):
-            result[i] = t
-        return tuple(result)
+
+def _backward(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    """`_RematFunction.backward`: recompute ``fn`` and take its vjp (NOTE rules 3-4)."""
+    call: _Call = ctx.call
+    inputs: tuple[torch.Tensor, ...] = ctx.saved_tensors
+    wanted = [
+        i for i, t in enumerate(inputs) if ctx.needs_input_grad[i + 1] and _differentiable(t)
+    ]
+    if not wanted:
+        return (None,) * (len(inputs) + 1)
+    check_batched_recompute(call.random, call.vmap_levels, call.region.label)
+    keep_graph = _backward_is_differentiated(inputs, grads)
+    # A level that has exited (a vjp_fn called after its vjp returned) left dead
+    # wrappers; unwrap them as functorch does for saved values of aten ops.
+    inputs = tuple(_functorch.unwrap_if_dead(t) for t in inputs)
+    replay = not _forward_ad_active()
+    if replay:
+        call.restore_offloaded()
+    try:
+        with contextlib.nullcontext() if keep_graph else torch.no_grad():
+            found = _recompute_vjp(call, inputs, wanted, grads, replay=replay)
+    finally:
+        if replay:
+            call.drop_offloaded()
+    result: list[torch.Tensor | None] = [None] * len(inputs)
+    for i, g in zip(wanted, found, strict=True):
+        result[i] = g
+    return (None, *result)
+
+
+def _jvp(ctx: Any, tangents: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    """`_RematFunction.jvp`: recompute ``fn`` in full under ``torch.func.jvp``."""
+    call: _Call = ctx.call
+    inputs = tuple(_functorch.unwrap_if_dead(t) for t in ctx.saved_tensors)
+    moving = [
+        i
+        for i, (t, d) in enumerate(zip(inputs, tangents[1:], strict=True))
+        if d is not None and _differentiable(t)
+    ]
+    outputs = [i for i, p in enumerate(call.out_positions) if _is_float(call, i)]
+
+    # Forward-mode AD interleaves tangent ops with the primal ones: no replay.
+    with call.recompute(replay=False):
+        out_tangents = torch.func.jvp(
+            call.partial(inputs, moving, outputs),
+            tuple(inputs[i] for i in moving),
+            tuple(tangents[i + 1] for i in moving),
+        )[1]
+    result: list[torch.Tensor | None] = [None] * len(call.out_positions)
+    for i, t in zip(outputs, out_tangents, strict=True):
+        result[i] = t
+    return tuple(result)
 
 
 def _is_float(call: _Call, index: int) -> bool:

@@ -53,6 +53,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .._autocast import AutocastState
+from .._compile import uncompiled
 from .._errors import NondeterministicRecomputeError, RematError, SavedInputMutatedError
 from .._module_state import state_guard_of
 from .._offload import (
@@ -172,6 +173,7 @@ class Frame:
         decision = self.decide(t, holder)
         if decision is Decision.OFFLOAD:
             holder.tensor = self.offload_saved(t, holder)
+            holder.version = t._version  # checked only if it stayed a tensor on device
         elif decision is not Decision.RECOMPUTE:
             holder.tensor = t.detach()
             holder.version = t._version
@@ -246,6 +248,10 @@ class Frame:
             if self.offloaded_versions[key] != t._version:
                 return None  # written since its copy was made: this save keeps it on device
             return self.offloaded[key][2]  # the same value saved twice: one copy
+        if record.versions is not None and record.versions[position] != t._version:
+            # Written since the op made it: the replay would write it again on top
+            # of a copy of the written value. Kept on device instead.
+            return None
         with _disable_current_modes():  # the copies are ours, not the region's ops
             entry = offload(t.detach(), self.store, (self.serial, index, position))
             placeholder = placeholder_for(t)
@@ -253,11 +259,8 @@ class Frame:
             return None
         self.offloaded[key] = (record, index, entry)
         self.offloaded_versions[key] = t._version
-        if record.kept is not None and record.versions is not None:
-            if record.versions[position] == t._version:
-                record.hold(position, placeholder)
-            else:
-                record.kept[position] = None  # mutated since kept: the op runs again
+        if record.kept is not None:
+            record.hold(position, placeholder)
         return entry
 
     def offload_kept(self, out: Any, live: list[bool] | None) -> None:
@@ -339,6 +342,11 @@ class Frame:
     # -- backward ------------------------------------------------------------
 
     def unpack(self, holder: Holder) -> torch.Tensor:
+        # A ``loss.backward()`` inside compiled code runs this hook where Dynamo
+        # would compile the recompute (see ``_compile.py``).
+        return uncompiled(self._unpack, holder)
+
+    def _unpack(self, holder: Holder) -> torch.Tensor:
         if isinstance(holder.tensor, torch.Tensor) and holder.tensor._version != holder.version:
             self.written_since_saved(holder)
         if holder.tensor is None:

@@ -1,0 +1,33 @@
+"""The ``torch.compile`` boundary: remat's engines always run eagerly.
+
+Dynamo cannot trace the engines (saved-tensor hooks, dispatch modes, functorch
+internals), and must not compile them either: a recompute compiled by Dynamo
+saves other tensors, in another order, than the forward did. So every entry
+point Dynamo can reach (a region call in compiled code, an unpack hook or a
+Function's backward run by a ``loss.backward()`` inside compiled code) goes
+through `uncompiled`: a graph break, then plain Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["uncompiled"]
+
+R = TypeVar("R")
+
+
+def uncompiled(fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    """``fn(*args, **kwargs)``, run eagerly when ``torch.compile`` traces this call.
+
+    Examples:
+        >>> uncompiled(max, 1, 2)
+        2
+    """
+    if torch.compiler.is_compiling():
+        eager: Callable[..., R] = torch.compiler.disable(fn)
+        return eager(*args, **kwargs)
+    return fn(*args, **kwargs)
