@@ -45,6 +45,8 @@ from typing import Any
 import optree
 import torch
 
+from ._errors import SavedInputMutatedError
+from ._module_state import is_stateful, storage_of
 from ._state import is_recomputing, local
 
 __all__ = ["Bindings", "find_closed_over", "global_names", "is_tracked"]
@@ -72,6 +74,17 @@ class _Slot:
     #: the recompute sees.
     leaves: list[Any]
     treedef: Any
+    #: For a slot holding one tensor: its version and storage after the forward.
+    version: tuple[int, int | None] | None = None
+    #: Whether an in-place change of that tensor before the recompute raises.
+    checked: bool = True
+
+    def tensor(self) -> torch.Tensor | None:
+        """The slot's tensor as the call saw it, when the slot holds one tensor."""
+        if len(self.leaves) != 1:
+            return None
+        leaf = self.leaves[0]
+        return leaf if isinstance(leaf, torch.Tensor) else None
 
 
 @dataclasses.dataclass
@@ -99,6 +112,9 @@ class Bindings:
     def swapped(self, replacements: Sequence[torch.Tensor]) -> Iterator[None]:
         """Put ``replacements[i]`` where ``tensors[i]`` was while the block runs."""
         saved = []
+        recomputing = is_recomputing()
+        if recomputing:
+            self._check_versions()
         local.slot_swaps += 1
         try:
             for slot, indices in self._slots:
@@ -109,15 +125,41 @@ class Bindings:
                 saved.append((slot, slot.get(), installed))
                 slot.set(installed)
             yield
+            if not recomputing:
+                self._note_versions()
         finally:
             local.slot_swaps -= 1
-            keep_rebound = not is_recomputing()
+            keep_rebound = not recomputing
             for slot, old, installed in reversed(saved):
                 # A forward that stores a new plain value in the slot (``self.last =
                 # h.detach()``) keeps it; what a recompute stores is undone.
                 if keep_rebound and not slot.positions and slot.get() is not installed:
                     continue
                 slot.set(old)
+
+
+    def _note_versions(self) -> None:
+        with torch._C.DisableTorchFunction():  # our reads are not the function's
+            for slot, _ in self._slots:
+                t = slot.tensor()
+                if t is not None and slot.checked:
+                    slot.version = (t._version, storage_of(t))
+
+    def _check_versions(self) -> None:
+        """Raise if a closed-over tensor was modified in place since the forward."""
+        for slot, _ in self._slots:
+            t = slot.tensor()
+            if t is None or slot.version is None:
+                continue
+            with torch._C.DisableTorchFunction():
+                now = (t._version, storage_of(t))
+            if now != slot.version:
+                raise SavedInputMutatedError(
+                    f"remat: {slot.where} (shape {tuple(t.shape)}) was modified in place "
+                    f"or reassigned ('.data = ...') after the forward pass read it, so the "
+                    "recompute would use the new values. Modify it after the backward, or "
+                    "clone it before modifying it."
+                )
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -226,13 +268,12 @@ class _Walker:
             path = f"{where}.{prefix}" if prefix else where
             for store in ("_parameters", "_buffers"):
                 table = getattr(sub, store)
+                # A stateful module's buffers change in every forward (its own
+                # guard restores them in the recompute): no version check.
+                checked = store == "_parameters" or not is_stateful(sub)
                 for key, value in table.items():
                     if isinstance(value, torch.Tensor):
-                        self.bind(
-                            value,
-                            *_item_access(table, key),
-                            f"{path}.{key}",
-                        )
+                        self.bind(value, *_item_access(table, key), f"{path}.{key}", checked)
             self.attributes(sub, path, depth, modules_done=True)
 
     def attributes(self, obj: Any, where: str, depth: int, modules_done: bool = False) -> None:
@@ -291,7 +332,12 @@ class _Walker:
                 self.value_owner(leaf, f"an element of {where}", depth + 1)
 
     def bind(
-        self, value: torch.Tensor, get: Callable[[], Any], set_: Callable[[Any], None], where: str
+        self,
+        value: torch.Tensor,
+        get: Callable[[], Any],
+        set_: Callable[[Any], None],
+        where: str,
+        checked: bool = True,
     ) -> None:
         # An untracked tensor is no input, but its slot still gets the call's
         # tensor back while ``fn`` is recomputed (rule 4).
@@ -299,7 +345,8 @@ class _Walker:
         leaves: list[Any]
         leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
         positions = (0,) if is_tracked(value) else ()
-        self.bindings.add(_Slot(get, set_, where, positions, leaves, treedef), leaves)
+        slot = _Slot(get, set_, where, positions, leaves, treedef, checked=checked)
+        self.bindings.add(slot, leaves)
 
 
 _Access = tuple[Callable[[], Any], Callable[[Any], None]]

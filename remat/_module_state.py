@@ -21,21 +21,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import types
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._closure import global_names
 from ._errors import SavedInputMutatedError
-from ._state import is_recomputing, local
+from ._state import local
 
-__all__ = ["StateGuard", "register_stateful", "state_guard_of"]
+__all__ = ["StateGuard", "is_stateful", "register_stateful", "state_guard_of", "storage_of"]
 
-_STATEFUL_TYPES: list[type] = [nn.modules.batchnorm._NormBase]
+_STATEFUL_TYPES: list[type] = [
+    nn.modules.batchnorm._NormBase,
+    nn.utils.parametrizations._SpectralNorm,  # updates its power-iteration buffers
+]
+_stateful_types = tuple(_STATEFUL_TYPES)
 
 
 def register_stateful(cls: type) -> type:
@@ -73,34 +77,44 @@ def register_stateful(cls: type) -> type:
     """
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise TypeError(f"remat.register_stateful: expected an nn.Module subclass, got {cls!r}")
+    global _stateful_types
     if cls not in _STATEFUL_TYPES:
         _STATEFUL_TYPES.append(cls)
+        _stateful_types = tuple(_STATEFUL_TYPES)
     return cls
 
 
-def _is_stateful(module: nn.Module) -> bool:
-    return bool(getattr(module, "remat_stateful", False)) or isinstance(
-        module, tuple(_STATEFUL_TYPES)
-    )
+def is_stateful(module: nn.Module) -> bool:
+    """Whether ``module`` updates buffers in forward (registered, flagged or spectral norm)."""
+    # ``__dict__``, not getattr: a module's __getattr__ raises internally when absent.
+    flagged = module.__dict__.get("remat_stateful", getattr(type(module), "remat_stateful", False))
+    if flagged or isinstance(module, _stateful_types):
+        return True
+    # The old-style spectral norm updates its power-iteration buffers in a pre-hook.
+    hooks = module._forward_pre_hooks
+    return bool(hooks) and any(isinstance(h, SpectralNorm) for h in hooks.values())
 
 
 @dataclasses.dataclass
 class _Pin:
-    """A parameter or buffer slot, and the tensor the forward saw in it."""
+    """A parameter or buffer slot, and the tensor in it before the forward ran the module."""
 
-    module: nn.Module
+    where: str
     table: dict[str, Any]
     name: str
     tensor: torch.Tensor
     version: int
     storage: int | None
-
-    def __str__(self) -> str:
-        kind = "parameter" if self.table is self.module._parameters else "buffer"
-        return f"{kind} '{self.name}' of {type(self.module).__qualname__}"
+    parameter: bool
 
 
-def _storage(t: torch.Tensor) -> int | None:
+def _pins(where: str, table: dict[str, Any], parameter: bool) -> Iterator[_Pin]:
+    for name, t in table.items():
+        if isinstance(t, torch.Tensor):
+            yield _Pin(where, table, name, t, t._version, storage_of(t), parameter)
+
+
+def storage_of(t: torch.Tensor) -> int | None:
     """The identity of ``t``'s storage (not its address: FSDP frees and refills it)."""
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor(t)
     if wrapped or type(t) not in (torch.Tensor, nn.Parameter):
@@ -109,28 +123,40 @@ def _storage(t: torch.Tensor) -> int | None:
 
 
 def _replaced(current: torch.Tensor, pin: _Pin) -> bool:
-    """Whether ``current`` is another tensor than the forward's, not a view of its memory."""
-    return current is not pin.tensor and (pin.storage is None or _storage(current) != pin.storage)
+    """Whether ``current`` is another tensor than the forward's, not a view of its memory.
+
+    A tensor subclass (FSDP's sharded DTensor parameters) cannot be compared by
+    memory: its slot is left as it is.
+    """
+    if current is pin.tensor or pin.storage is None:
+        return False
+    return storage_of(current) != pin.storage
 
 
 class StateGuard:
-    """Run the modules among ``modules`` on the parameters and state their forward saw.
+    """Run the modules of one region call on the parameters and state their forward saw.
 
     Use one guard per region call, around the forward and around the recompute
-    (`guarded`). After the forward it remembers the tensor in every parameter
-    and buffer slot (rule 1 below); for stateful modules it also snapshots the
-    buffers before the forward changes them (rule 2). In the recompute:
+    (`guarded`). During the forward it watches which modules run (a global
+    forward pre-hook, registered while some guard records) and, just before the
+    first of a module's subtree runs, remembers the tensor in each parameter
+    and buffer slot of that subtree (rule 1) and snapshots the buffers of its
+    stateful modules (rule 2). ``roots`` are pinned when the forward starts (a
+    wrapped module, whose forward is called directly); ``owners`` only for
+    their own parameters and buffers (the module of a bound method, modules
+    the function receives or closes over). In the recompute:
 
-    1. A slot that holds another tensor than in the forward, with other memory,
-       gets the forward's tensor back while the recompute runs: a
-       reparametrization that ended before backward (``torch.func.functional_call``
-       puts the module's own tensors back when it returns) does not change what
-       the recompute computes. A new view of the same memory (FSDP's unsharded
-       views) is left alone. A forward tensor modified in place since (an
-       optimizer step before backward) raises `SavedInputMutatedError`, as
-       autograd does, instead of recomputing from the new values. Inside the
-       torch.func engine the slots are its own (``_closure.py`` snapshots them),
-       so this rule stands aside there.
+    1. A slot that holds another tensor than before the forward, with other
+       memory, gets that tensor back while the recompute runs: a
+       reparametrization that ended before backward
+       (``torch.func.functional_call`` puts the module's own tensors back when
+       it returns) or a forward that rebinds its own buffer does not change
+       what the recompute computes. A new view of the same memory (FSDP's
+       unsharded views) is left alone. A tensor modified in place since (an
+       optimizer step before backward, a non-stateful module updating its
+       buffer in forward) raises `SavedInputMutatedError` instead of
+       recomputing from the new values. Inside the torch.func engine the slots
+       are its own (``_closure.py`` snapshots them), so this rule stands aside.
     2. Every buffer of a stateful module is swapped for a copy of its snapshot,
        and the real buffers are put back afterwards, also when the engine stops
        the recompute early. So the recompute computes with the numbers the
@@ -138,47 +164,65 @@ class StateGuard:
        ``num_batches_tracked``) and changes no real state.
     """
 
-    def __init__(self, modules: Iterable[nn.Module], label: str = "the region") -> None:
-        self.all = list(modules)
-        self.modules = [m for m in self.all if _is_stateful(m)]
+    def __init__(
+        self,
+        label: str = "the region",
+        roots: Iterable[nn.Module] = (),
+        owners: Iterable[nn.Module] = (),
+        watch: bool = True,
+    ) -> None:
         self.label = label
+        self.watch = watch
+        self.roots = list(roots)
+        self.owners = list(owners)
         self.seen: list[tuple[dict[str, Any], str, torch.Tensor]] | None = None
         self.pins: list[_Pin] | None = None
+        self._pinned_ids: set[int] = set()
 
     @contextlib.contextmanager
     def guarded(self) -> Iterator[None]:
-        if not self.all:
-            yield
-        elif self.pins is None:  # this call's forward (perhaps inside an outer recompute)
-            if self.modules and not is_recomputing():
-                self.seen = self._copies()
-                yield
-            elif self.modules:
-                yield from self._swapped()
-            else:
-                yield
-            self.pins = self._pins()
+        if self.pins is None:  # this call's forward (perhaps inside an outer recompute)
+            yield from self._forward()
         else:
             with self._pinned():
-                if self.modules:
-                    yield from self._swapped()
-                else:
-                    yield
+                yield from self._swapped()
 
-    def _pins(self) -> list[_Pin]:
-        if local.slot_swaps:  # the torch.func engine's own snapshot is in charge
-            return []
-        stateful = {id(m) for m in self.modules}
-        pins = []
-        for module in self.all:
-            tables: list[dict[str, Any]] = [module._parameters]
-            if id(module) not in stateful:  # stateful buffers: rule 2 instead
-                tables.append(module._buffers)
-            for table in tables:
-                for name, t in table.items():
-                    if isinstance(t, torch.Tensor):
-                        pins.append(_Pin(module, table, name, t, t._version, _storage(t)))
-        return pins
+    # -- forward -------------------------------------------------------------
+
+    def _forward(self) -> Iterator[None]:
+        self.seen, self.pins = [], []
+        if local.slot_swaps:  # the torch.func engine's own snapshot is in charge of pins
+            self.pins = None
+        for owner in self.owners:
+            self._pin(type(owner).__qualname__, owner, recurse=False)
+        for root in self.roots:
+            self._pin(type(root).__qualname__, root, recurse=True)
+        with _watching(self) if self.watch else contextlib.nullcontext():
+            yield
+        if self.pins is None:
+            self.pins = []
+
+    def saw(self, module: nn.Module) -> None:
+        """The forward is about to run ``module``: pin its subtree if not pinned yet."""
+        if id(module) not in self._pinned_ids:
+            self._pin(type(module).__qualname__, module, recurse=True)
+
+    def _pin(self, where: str, module: nn.Module, recurse: bool) -> None:
+        named = module.named_modules(remove_duplicate=False) if recurse else [("", module)]
+        for prefix, sub in named:
+            if id(sub) in self._pinned_ids:
+                continue
+            self._pinned_ids.add(id(sub))
+            path = f"{where}.{prefix}" if prefix else where
+            stateful = is_stateful(sub)
+            if stateful and self.seen is not None:
+                self.seen.extend(_copies(sub))
+            if self.pins is not None:
+                self.pins.extend(_pins(path, sub._parameters, parameter=True))
+                if not stateful:  # stateful buffers: rule 2 instead
+                    self.pins.extend(_pins(path, sub._buffers, parameter=False))
+
+    # -- recompute -----------------------------------------------------------
 
     @contextlib.contextmanager
     def _pinned(self) -> Iterator[None]:
@@ -201,43 +245,32 @@ class StateGuard:
 
     def _check(self, pin: _Pin) -> None:
         t = pin.tensor
-        if t._version == pin.version and (pin.storage is None or _storage(t) == pin.storage):
+        if t._version == pin.version and (pin.storage is None or storage_of(t) == pin.storage):
             return
-        if pin.table is pin.module._parameters:
+        if pin.parameter:
+            kind = "parameter"
             cause = "an optimizer step or a '.data' assignment before backward?"
             fix = "Call backward before modifying parameters."
         else:
-            cause = "the module updates it in its forward and ran again before backward?"
+            kind = "buffer"
+            cause = "does the module update it in forward?"
             fix = (
                 "If the module updates this buffer in forward (running statistics, a power "
-                "iteration), declare it stateful: remat.register_stateful(type(module)) or "
-                "module.remat_stateful = True."
+                "iteration, a counter), declare it stateful: "
+                "remat.register_stateful(type(module)) or module.remat_stateful = True."
             )
         raise SavedInputMutatedError(
-            f"remat: the {pin} (shape {tuple(t.shape)}) was modified in place between the "
-            f"forward pass of {self.label} and its recompute (version {t._version}, "
-            f"expected {pin.version}; {cause}), so the recompute would use the new "
-            f"values. {fix}"
+            f"remat: {kind} '{pin.name}' of {pin.where} (shape {tuple(t.shape)}) was "
+            f"modified in place after the forward pass of {self.label} read it (version "
+            f"{t._version}, expected {pin.version}; {cause}), so its recompute would "
+            f"use the new values. {fix}"
         )
 
-    def _copies(self) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
-        # Outside the record/replay modes: the copies are not ops of the region.
-        with _disable_current_modes(), torch.no_grad():
-            return [
-                (module._buffers, name, buffer.clone())
-                for module in self.modules
-                for name, buffer in module._buffers.items()
-                if buffer is not None
-            ]
-
     def _swapped(self) -> Iterator[None]:
-        if self.seen is None:
-            # First run inside another region's recompute (nesting): the buffers are
-            # that region's copies of its snapshot, i.e. what this forward saw. Keep
-            # them for this region's own (two-level) recompute, which runs after the
-            # outer one has put the real, updated buffers back.
-            self.seen = self._copies()
-        copies = self.seen
+        copies = self.seen or []
+        if not copies:
+            yield
+            return
         originals = [(table, name, table[name]) for table, name, _ in copies]
         try:
             with _disable_current_modes(), torch.no_grad():
@@ -249,33 +282,57 @@ class StateGuard:
                 table[name] = buffer
 
 
-def _named_modules(fn: Any) -> Iterator[nn.Module]:
-    """The modules a function's closure cells and globals hold."""
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if isinstance(value, nn.Module):
-            yield value
-    if isinstance(fn, types.FunctionType):
-        scope = fn.__globals__
-        for name in global_names(fn.__code__):
-            value = scope.get(name)
-            if isinstance(value, nn.Module):
-                yield value
+def _copies(module: nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
+    """Snapshots of ``module``'s buffers, before its forward changes them."""
+    # Outside the record/replay modes: the copies are not ops of the region.
+    with _disable_current_modes(), torch.no_grad():
+        return [
+            (module._buffers, name, buffer.clone())
+            for name, buffer in module._buffers.items()
+            if buffer is not None
+        ]
+
+
+# -- watching which modules a forward runs ---------------------------------------
+
+_hook_lock = threading.Lock()
+_hook: list[Any] = []  # the registered global pre-hook's handle, while any guard records
+
+
+@contextlib.contextmanager
+def _watching(guard: StateGuard) -> Iterator[None]:
+    """Tell ``guard`` (and every guard recording around it) about each module that runs."""
+    stack: list[StateGuard] = local.__dict__.setdefault("watching", [])
+    with _hook_lock:
+        if not _hook:
+            _hook.append(nn.modules.module.register_module_forward_pre_hook(_pre_hook))
+        _hook.append(None)  # one reference per recording guard
+    stack.append(guard)
+    try:
+        yield
+    finally:
+        stack.pop()
+        with _hook_lock:
+            _hook.pop()
+            if len(_hook) == 1:
+                _hook.pop().remove()
+
+
+def _pre_hook(module: nn.Module, args: Any) -> None:
+    for guard in local.__dict__.get("watching", ()):
+        guard.saw(module)
 
 
 def state_guard_of(
     fn: Callable[..., Any], leaves: Iterable[Any] = (), label: str = "the region"
 ) -> StateGuard:
-    """A `StateGuard` for the modules a region runs.
+    """A `StateGuard` for a region's call.
 
-    Those are ``fn`` itself when it is a module, the module of a bound method,
-    modules among the call's argument ``leaves``, and modules ``fn`` names
-    directly (a closure cell or a global holding a module). Modules reached in
-    other ways (an attribute of an argument object) are not guarded: wrap them
-    with `remat.wrap` instead.
+    The modules it runs are found as they run; pinned from the start are
+    ``fn`` itself when it is a module (its whole subtree), and the own
+    parameters and buffers of the module of a bound method, of modules among
+    the call's argument ``leaves`` and of modules ``fn`` closes over (which
+    ``fn`` may read without calling them).
 
     Examples:
         >>> import torch, remat
@@ -286,14 +343,19 @@ def state_guard_of(
         >>> int(bn.num_batches_tracked), int(guard.seen[-1][2])
         (1, 0)
     """
-    roots: list[nn.Module] = []
-    owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+    if getattr(fn, "remat_guards_modules", False):
+        return StateGuard(label, watch=False)  # a wrapped module's forward has its own guard
+    roots = [fn] if isinstance(fn, nn.Module) else []
+    owners: list[nn.Module] = []
+    owner = getattr(fn, "__self__", None)
     if isinstance(owner, nn.Module):
-        roots.append(owner)
-    roots.extend(leaf for leaf in leaves if isinstance(leaf, nn.Module))
-    roots.extend(_named_modules(getattr(fn, "__func__", fn)))
-    seen: dict[int, nn.Module] = {}
-    for root in roots:
-        for module in root.modules():
-            seen.setdefault(id(module), module)
-    return StateGuard(seen.values(), label)
+        owners.append(owner)
+    owners.extend(leaf for leaf in leaves if isinstance(leaf, nn.Module))
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, nn.Module):
+            owners.append(value)
+    return StateGuard(label, roots, owners)

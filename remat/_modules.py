@@ -70,7 +70,9 @@ class _Forward:
         # Error messages and signature checks name the user's forward, not this class.
         self.__qualname__ = getattr(function, "__qualname__", type(module).__qualname__)
         self.__wrapped__ = function
-        self.state = StateGuard(module.modules(), self.__qualname__)
+        self.state = StateGuard(self.__qualname__, roots=[module])
+        #: The engines need no guard of their own for this call (see `state_guard_of`).
+        self.remat_guards_modules = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self.original or types.MethodType(type(self.module).forward, self.module)
@@ -389,9 +391,9 @@ class _Segment:
         self.layers = list(layers)
         self.__qualname__ = "remat.sequential segment"
         self.state = StateGuard(
-            (m for layer in self.layers if isinstance(layer, nn.Module) for m in layer.modules()),
-            self.__qualname__,
+            self.__qualname__, roots=[m for m in self.layers if isinstance(m, nn.Module)]
         )
+        self.remat_guards_modules = True  # see `state_guard_of`
 
     def __call__(self, x: Any) -> Any:
         with self.state.guarded():

@@ -36,12 +36,18 @@ class RngState:
         cuda = tuple((d, torch.cuda.get_rng_state(d)) for d in devices)
         return cls(torch.get_rng_state(), cuda)
 
-    def drawn(self) -> bool:
-        """Whether a generator moved since the capture: the region drew random numbers."""
+    def now(self) -> RngState:
+        """The same generators' states now (cheap: the forward's end keeps one)."""
+        cuda = tuple((d, torch.cuda.get_rng_state(d)) for d, _ in self.cuda)
+        return RngState(torch.get_rng_state(), cuda)
+
+    def differs(self, other: RngState) -> bool:
+        """Whether a generator moved between ``self`` and ``other``."""
         with _disable_current_modes():  # our comparison is no op of an enclosing region
-            if not torch.equal(torch.get_rng_state(), self.cpu):
+            if not torch.equal(other.cpu, self.cpu):
                 return True
-            return any(not torch.equal(torch.cuda.get_rng_state(d), s) for d, s in self.cuda)
+            pairs = zip(self.cuda, other.cuda, strict=True)
+            return any(not torch.equal(a, b) for (_, a), (_, b) in pairs)
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
@@ -64,7 +70,9 @@ def vmap_levels() -> frozenset[int]:
     return frozenset(i.level() for i in retrieve_all_functorch_interpreters() if i.key() == _VMAP)
 
 
-def check_batched_recompute(random: bool, forward_levels: frozenset[int], label: str) -> None:
+def check_batched_recompute(
+    before: RngState | None, after: RngState | None, forward_levels: frozenset[int], label: str
+) -> None:
     """Raise when a random region is recomputed under a ``vmap`` its forward did not run in.
 
     Restoring the generator replays the forward's draws only if the recompute
@@ -74,13 +82,14 @@ def check_batched_recompute(random: bool, forward_levels: frozenset[int], label:
     ``"same"`` draws the forward's values again. (``is_grads_batched=True``
     uses torch's older vmap, which refuses random ops by itself.)
     """
-    if not random:
-        return
     for interpreter in retrieve_all_functorch_interpreters():
         if interpreter.key() != _VMAP or interpreter.level() in forward_levels:
             continue
         randomness = interpreter.randomness()  # type: ignore[attr-defined]
-        if randomness != "same":
+        # The forward drew random numbers if a generator moved during it (compared
+        # only here: a comparison costs more than keeping the end state).
+        drew = before is not None and after is not None and before.differs(after)
+        if randomness != "same" and drew:
             raise RematError(
                 f"remat: {label} draws random numbers (dropout, rand) in its forward, and its "
                 "backward runs under a vmap its forward did not run in (jacrev, vmap over a "

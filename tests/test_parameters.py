@@ -155,7 +155,7 @@ def test_optimizer_step_before_backward_raises(policy: str, model: Callable[[], 
     with torch.no_grad():
         for p in module.parameters():
             p.add_(1.0)  # what optimizer.step() does
-    with pytest.raises(remat.SavedInputMutatedError, match="modified in place between the forward"):
+    with pytest.raises(remat.SavedInputMutatedError, match="modified in place after the forward"):
         out.sum().backward()
 
 
@@ -247,3 +247,125 @@ def test_plain_attribute_stored_in_forward_survives_torch_func(policy: str) -> N
     torch.func.grad(lambda p: functional_call(module, p, (x(),)))(params)
     with torch.no_grad():  # what the forward stored, not the zeros from before
         torch.testing.assert_close(module.last, module.lin(x()).tanh())
+
+
+# -- which modules a region pins: the ones it runs (found by review) -----------------
+
+
+class Counter(nn.Module):
+    """Counts its calls in a buffer that the math does not read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.double))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(h).tanh()
+
+
+class PerLayer(nn.Module):
+    """A region for layer 0 only, made from a bound method of the whole model."""
+
+    def __init__(self, layers: nn.ModuleList, use_remat: bool) -> None:
+        super().__init__()
+        self.layers = layers
+        self.use_remat = use_remat
+
+    def layer(self, h: torch.Tensor, i: int) -> torch.Tensor:
+        return self.layers[i](h).tanh()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        first = remat.remat(self.layer, static_argnums=(1,)) if self.use_remat else self.layer
+        return self.layer(first(h, 0), 1)
+
+
+def test_a_region_pins_only_the_modules_it_runs() -> None:
+    # Layer 0's region must not see layer 1's counter, which runs (and counts)
+    # outside it: only the modules a region runs are its business.
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.Linear(4, 4).double(), Counter()])
+    plain, wrapped = PerLayer(copy.deepcopy(layers), False), PerLayer(layers, True)
+    expected = torch.autograd.grad(plain(x()).pow(2).sum(), list(plain.parameters()))
+    actual = torch.autograd.grad(wrapped(x()).pow(2).sum(), list(wrapped.parameters()))
+    assert_close_all(actual, expected)
+
+
+def test_a_buffer_the_forward_updates_needs_declaring() -> None:
+    module = remat.wrap(Counter())
+    out = module(x().requires_grad_())
+    with pytest.raises(remat.SavedInputMutatedError, match="buffer 'calls' of Counter"):
+        out.sum().backward()
+
+
+class Prev(nn.Module):
+    """Rebinds its own buffer in forward: the recompute must see the old one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+        self.register_buffer("prev", torch.ones(4, dtype=torch.double))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = (self.lin(h) * self.prev).tanh()
+        self.prev = h.detach().mean(0)
+        return out
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_forward_rebinding_its_own_buffer(twice: bool) -> None:
+    torch.manual_seed(0)
+    plain = Prev()
+    wrapped = remat.wrap(copy.deepcopy(plain))
+
+    def loss(module: nn.Module) -> torch.Tensor:
+        out = module(x()).sum()
+        return out + module(x() * 2).sum() if twice else out
+
+    expected = torch.autograd.grad(loss(plain), list(plain.parameters()))
+    actual = torch.autograd.grad(loss(wrapped), list(wrapped.parameters()))
+    assert_close_all(actual, expected)
+
+
+def _spectral(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4).double()
+    if kind == "hook":
+        lin = torch.nn.utils.spectral_norm(lin)
+    else:
+        lin = torch.nn.utils.parametrizations.spectral_norm(lin)
+    return nn.Sequential(nn.Linear(4, 4).double(), nn.Tanh(), lin)
+
+
+@pytest.mark.parametrize("kind", ["hook", "parametrization"])
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable"])
+@pytest.mark.parametrize("twice", [False, True])
+def test_spectral_norm_power_iteration_runs_once(kind: str, policy: str, twice: bool) -> None:
+    plain = _spectral(kind)
+    wrapped = remat.wrap(copy.deepcopy(plain), policy=policy)
+
+    def loss(module: nn.Module) -> torch.Tensor:
+        out = module(x()).pow(2).sum()
+        return out + module(x() * 2).pow(2).sum() if twice else out
+
+    expected = torch.autograd.grad(loss(plain), list(plain.parameters()))
+    actual = torch.autograd.grad(loss(wrapped), list(wrapped.parameters()))
+    assert_close_all(actual, expected)
+    for (name, a), (_, b) in zip(plain.named_buffers(), wrapped.named_buffers(), strict=True):
+        torch.testing.assert_close(b, a, msg=name)  # updated once per real forward
+
+
+@pytest.mark.parametrize("change", ["in_place", "data"])
+def test_torch_func_parameter_changed_before_the_backward_raises(change: str) -> None:
+    net = mlp()
+    region = remat.remat(lambda h: net(h).sum())
+    _, vjp_fn = vjp(region, x())
+    weight = net[0].weight
+    with torch.no_grad():
+        if change == "in_place":
+            weight.add_(1.0)
+        else:
+            weight.data = weight.data + 1.0
+    with pytest.raises(remat.SavedInputMutatedError, match="modified in place or reassigned"):
+        vjp_fn(torch.tensor(1.0, dtype=torch.double))

@@ -185,8 +185,8 @@ class _Call:
         self.outer_levels = {i.level() for i in retrieve_all_functorch_interpreters()}
         self.guard: _HiddenInputGuard | None = None
         self.rng: RngState | None = None
-        #: Whether the forward drew random numbers, and under which vmap levels.
-        self.random = False
+        #: The generators' states when the forward ended, and its vmap levels.
+        self.rng_after: RngState | None = None
         self.vmap_levels = vmap_levels()
         self.autocast = AutocastState.capture()
         #: Offloaded kept outputs (NOTE rule 8): (record, position, entry).
@@ -288,7 +288,7 @@ class _Call:
                 with RecordMode(self.log):
                     out = self.run_as_differentiated(tensors)
         self.guard = None
-        self.random = self.rng is not None and self.rng.drawn()
+        self.rng_after = self.rng.now() if self.rng is not None else None
         if self.log is not None:
             self.offload_kept(tensors, out)
         # autograd.Function refuses to save an input it also returns as-is: return a view.
@@ -406,7 +406,7 @@ def _backward(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.T
     ]
     if not wanted:
         return (None,) * (len(inputs) + 1)
-    check_batched_recompute(call.random, call.vmap_levels, call.region.label)
+    check_batched_recompute(call.rng, call.rng_after, call.vmap_levels, call.region.label)
     keep_graph = _backward_is_differentiated(inputs, grads)
     # A level that has exited (a vjp_fn called after its vjp returned) left dead
     # wrappers; unwrap them as functorch does for saved values of aten ops.

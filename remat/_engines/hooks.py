@@ -126,7 +126,8 @@ class Frame:
         #: (shape, dtype, device) of each saved tensor; kept only for the determinism check.
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.rng = RngState.capture(self.inputs) if region.preserve_rng_state else None
-        self.random = False  # whether the forward drew random numbers (set after it)
+        #: The generators' states when the forward ended: did it draw random numbers?
+        self.rng_after: RngState | None = None
         self.autocast = AutocastState.capture()
         self.state_guard = state_guard_of(region.fn, leaves, region.label)
         self.versions: list[int] = []
@@ -158,7 +159,7 @@ class Frame:
             out = self.region.fn(*self.args, **self.kwargs)
         self.versions = [t._version for t in self.inputs]
         self.mutated_in_forward = self.versions != start_versions
-        self.random = self.rng is not None and self.rng.drawn()
+        self.rng_after = self.rng.now() if self.rng is not None else None
         self.phase = "done"
         self.finish_forward(out)
         return out
@@ -390,7 +391,7 @@ class Frame:
             return
         self.check_inputs()
         # Eager regions run outside every transform: any vmap now is new.
-        check_batched_recompute(self.random, frozenset(), self.region.label)
+        check_batched_recompute(self.rng, self.rng_after, frozenset(), self.region.label)
         self.stop_at = max(self.needed)
         restored = self.restore_offloaded(max(h.clock for h in self.needed.values()))
         live = self.liveness(alive) if self.log is not None else None
