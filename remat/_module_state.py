@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ._compile import uncompiled
 from ._errors import SavedInputMutatedError
 from ._state import local
 
@@ -178,6 +179,7 @@ class StateGuard:
         self.seen: list[tuple[dict[str, Any], str, torch.Tensor]] | None = None
         self.pins: list[_Pin] | None = None
         self._pinned_ids: set[int] = set()
+        self._snapshotted: set[int] = set()
 
     @contextlib.contextmanager
     def guarded(self) -> Iterator[None]:
@@ -195,12 +197,24 @@ class StateGuard:
             self.pins = None
         for owner in self.owners:
             self._pin(type(owner).__qualname__, owner, recurse=False)
+            self._snapshot_stateful(owner)  # children it may call as ``child.forward(x)``
         for root in self.roots:
             self._pin(type(root).__qualname__, root, recurse=True)
         with _watching(self) if self.watch else contextlib.nullcontext():
             yield
         if self.pins is None:
             self.pins = []
+        # Versions as the forward left them: a module that writes its own parameter
+        # in forward (``nn.Embedding(max_norm=...)``) writes it again in the recompute.
+        for pin in self.pins:
+            pin.version, pin.storage = pin.tensor._version, storage_of(pin.tensor)
+
+    def _snapshot_stateful(self, owner: nn.Module) -> None:
+        for sub in owner.modules():
+            if id(sub) not in self._snapshotted and is_stateful(sub):
+                self._snapshotted.add(id(sub))
+                assert self.seen is not None, "this is a bug in remat, please report it"
+                self.seen.extend(_copies(sub))
 
     def saw(self, module: nn.Module) -> None:
         """The forward is about to run ``module``: pin its subtree if not pinned yet."""
@@ -215,7 +229,8 @@ class StateGuard:
             self._pinned_ids.add(id(sub))
             path = f"{where}.{prefix}" if prefix else where
             stateful = is_stateful(sub)
-            if stateful and self.seen is not None:
+            if stateful and self.seen is not None and id(sub) not in self._snapshotted:
+                self._snapshotted.add(id(sub))
                 self.seen.extend(_copies(sub))
             if self.pins is not None:
                 self.pins.extend(_pins(path, sub._parameters, parameter=True))
@@ -296,29 +311,39 @@ def _copies(module: nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]
 # -- watching which modules a forward runs ---------------------------------------
 
 _hook_lock = threading.Lock()
-_hook: list[Any] = []  # the registered global pre-hook's handle, while any guard records
+_watchers = [0]  # guards recording, over all threads
+#: Our key in torch's table of global forward pre-hooks. A fixed key, not a
+#: ``RemovableHandle`` (whose ids count up from 0): torch.compile guards on the
+#: table's keys, so a new handle per region call would recompile a compiled
+#: module run inside a region on every call. The entry exists only while a
+#: region records (a permanent global hook makes ``torch.compile(module)`` warn).
+_HOOK_KEY = -7_351_117
 
 
 @contextlib.contextmanager
 def _watching(guard: StateGuard) -> Iterator[None]:
     """Tell ``guard`` (and every guard recording around it) about each module that runs."""
-    stack: list[StateGuard] = local.__dict__.setdefault("watching", [])
+    hooks = nn.modules.module._global_forward_pre_hooks
     with _hook_lock:
-        if not _hook:
-            _hook.append(nn.modules.module.register_module_forward_pre_hook(_pre_hook))
-        _hook.append(None)  # one reference per recording guard
+        _watchers[0] += 1
+        hooks[_HOOK_KEY] = _pre_hook
+    stack: list[StateGuard] = local.__dict__.setdefault("watching", [])
     stack.append(guard)
     try:
         yield
     finally:
         stack.pop()
         with _hook_lock:
-            _hook.pop()
-            if len(_hook) == 1:
-                _hook.pop().remove()
+            _watchers[0] -= 1
+            if not _watchers[0]:
+                hooks.pop(_HOOK_KEY, None)
 
 
 def _pre_hook(module: nn.Module, args: Any) -> None:
+    uncompiled(_saw, module)  # a compiled module run in a region: not Dynamo's to trace
+
+
+def _saw(module: nn.Module) -> None:
     for guard in local.__dict__.get("watching", ()):
         guard.saw(module)
 

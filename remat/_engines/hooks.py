@@ -131,6 +131,8 @@ class Frame:
         self.autocast = AutocastState.capture()
         self.state_guard = state_guard_of(region.fn, leaves, region.label)
         self.versions: list[int] = []
+        #: Parameters (leaves requiring grad) the forward saved, or saved views of.
+        self.leaf_versions: dict[int, tuple[torch.Tensor, int]] = {}
         self.mutated_in_forward = False
         #: The frame whose recompute is running this region (rule 4), if any.
         self.parent: Frame | None = None
@@ -165,8 +167,13 @@ class Frame:
         return out
 
     def pack(self, t: torch.Tensor) -> Holder:
+        # A compiled module run inside the region: Dynamo must not trace our hooks.
+        return uncompiled(self._pack, t)
+
+    def _pack(self, t: torch.Tensor) -> Holder:
         holder = Holder(self, len(self.holders))
         self.holders.append(weakref.ref(holder))
+        self.note_leaf(t)
         if self.check:
             self.metas.append((t.shape, t.dtype, t.device))
         if self.log is not None:
@@ -181,6 +188,17 @@ class Frame:
         if self.parent is not None:
             self.parent.collect(holder, t)
         return holder
+
+    def note_leaf(self, t: torch.Tensor) -> None:
+        """Remember the version of a parameter that ``t`` is or views (``W.t()``).
+
+        The recompute reads it again wherever the region found it (a global, an
+        attribute), so an in-place change before backward must raise, as autograd
+        raises for the tensors it saves.
+        """
+        base = t if t._base is None else t._base
+        if base.is_leaf and base.requires_grad and id(base) not in self.leaf_versions:
+            self.leaf_versions[id(base)] = (base, base._version)
 
     def decide(self, t: torch.Tensor, holder: Holder) -> Decision:
         if id(t) in self.input_ids or (t.is_leaf and t.requires_grad):
@@ -465,6 +483,11 @@ class Frame:
     def collect(
         self, value: torch.Tensor | Holder, t: torch.Tensor | None = None
     ) -> torch.Tensor | None:
+        return uncompiled(self._collect, value, t)
+
+    def _collect(
+        self, value: torch.Tensor | Holder, t: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """Recompute pack hook: the k-th tensor saved goes into the k-th holder.
 
         Returns what the recompute's own graph keeps: the tensor, so that a
@@ -514,6 +537,15 @@ class Frame:
                     f"{tuple(t.shape)}) was modified in place after the forward pass, so it "
                     "cannot be recomputed. Clone it before modifying it, or modify it "
                     "after backward."
+                )
+        for leaf, version in self.leaf_versions.values():
+            if leaf._version != version:
+                raise SavedInputMutatedError(
+                    f"remat: a parameter of shape {tuple(leaf.shape)} was modified in place "
+                    f"after the forward pass of {self.region.label} saved it (or a view of it) "
+                    f"(version {leaf._version}, expected {version}; an optimizer step before "
+                    "backward?), so its recompute would use the new values. Call backward "
+                    "before modifying parameters."
                 )
         if self.mutated_in_forward:
             raise SavedInputMutatedError(
