@@ -139,13 +139,15 @@ class StateGuard:
 
     Use one guard per region call, around the forward and around the recompute
     (`guarded`). During the forward it watches which modules run (a global
-    forward pre-hook, registered while some guard records) and, just before the
+    forward pre-hook, present while some guard records) and, just before the
     first of a module's subtree runs, remembers the tensor in each parameter
     and buffer slot of that subtree (rule 1) and snapshots the buffers of its
-    stateful modules (rule 2). ``roots`` are pinned when the forward starts (a
-    wrapped module, whose forward is called directly); ``owners`` only for
-    their own parameters and buffers (the module of a bound method, modules
-    the function receives or closes over). In the recompute:
+    stateful modules (rule 2); the versions it checks are those the forward
+    leaves. ``roots`` are pinned when the forward starts (a wrapped module,
+    whose forward is called directly); ``owners`` only for their own
+    parameters and buffers, and their stateful submodules are snapshotted (the
+    module of a bound method, modules the function receives or closes over,
+    whose children it may call as ``child.forward(x)``). In the recompute:
 
     1. A slot that holds another tensor than before the forward, with other
        memory, gets that tensor back while the recompute runs: a
@@ -153,10 +155,10 @@ class StateGuard:
        (``torch.func.functional_call`` puts the module's own tensors back when
        it returns) or a forward that rebinds its own buffer does not change
        what the recompute computes. A new view of the same memory (FSDP's
-       unsharded views) is left alone. A tensor modified in place since (an
-       optimizer step before backward, a non-stateful module updating its
-       buffer in forward) raises `SavedInputMutatedError` instead of
-       recomputing from the new values. Inside the torch.func engine the slots
+       unsharded views) is left alone. A tensor modified in place after the
+       forward (an optimizer step before backward, a second forward of a
+       non-stateful module that updates its buffer) raises
+       `SavedInputMutatedError` instead of recomputing from the new values. Inside the torch.func engine the slots
        are its own (``_closure.py`` snapshots them), so this rule stands aside.
     2. Every buffer of a stateful module is swapped for a copy of its snapshot,
        and the real buffers are put back afterwards, also when the engine stops
