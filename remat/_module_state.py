@@ -158,8 +158,9 @@ class StateGuard:
        unsharded views) is left alone. A tensor modified in place after the
        forward (an optimizer step before backward, a second forward of a
        non-stateful module that updates its buffer) raises
-       `SavedInputMutatedError` instead of recomputing from the new values. Inside the torch.func engine the slots
-       are its own (``_closure.py`` snapshots them), so this rule stands aside.
+       `SavedInputMutatedError` instead of recomputing from the new values.
+       Inside the torch.func engine the slots are its own (``_closure.py``
+       snapshots them), so this rule stands aside.
     2. Every buffer of a stateful module is swapped for a copy of its snapshot,
        and the real buffers are put back afterwards, also when the engine stops
        the recompute early. So the recompute computes with the numbers the
