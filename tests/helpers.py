@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import collections
+import importlib.util
+import pathlib
+import sys
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -103,3 +107,27 @@ PROGRAMS: dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tuple[torch.
     "conv2d": (conv, lambda: (_randn(1, 2, 5, 5), _randn(3, 2, 3, 3))),
     "dropout": (dropout, lambda: (_randn(3, 4), _randn(4, 4))),
 }
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_script(folder: str, name: str) -> ModuleType:
+    """Import ``ROOT/folder/name.py`` (an example or a benchmark) as a module."""
+    spec = importlib.util.spec_from_file_location(f"{folder}_{name}", ROOT / folder / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def stack(fn: Callable[..., torch.Tensor], n: int) -> Callable[..., torch.Tensor]:
+    """``n`` blocks ``fn(x, w1, w2)`` in sequence, taking ``x, *ws`` (two weights a block)."""
+
+    def run(x: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
+        for i in range(n):
+            x = fn(x, ws[2 * i], ws[2 * i + 1])
+        return x
+
+    return run

@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import pathlib
-import sys
 from types import ModuleType
+
+from helpers import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load(name: str) -> ModuleType:
-    path = ROOT / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks", name)
 
 
 def test_bench_runs_and_every_variant_matches_no_remat() -> None:

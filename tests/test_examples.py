@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
-import sys
 from types import ModuleType
 
 import pytest
+from helpers import load_script
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 
 def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"examples_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples", name)
 
 
 def test_every_example_is_tested() -> None:

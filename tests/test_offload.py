@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import OpCounter, assert_close_all, grads
+from helpers import OpCounter, assert_close_all, grads, stack
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -60,14 +60,6 @@ def attention(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tens
     h = remat.checkpoint_name(torch.tanh(scores @ q), "hidden")
     return (h.reshape(6, 4) @ w2).sin() + x
 
-
-def stack(fn: Callable[..., torch.Tensor], n: int) -> Callable[..., torch.Tensor]:
-    def run(x: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
-        for i in range(n):
-            x = fn(x, ws[2 * i], ws[2 * i + 1])
-        return x
-
-    return run
 
 
 def make_inputs(n: int, requires_grad: bool = True) -> list[torch.Tensor]:

@@ -17,34 +17,16 @@ from typing import Any
 import pytest
 import torch
 from cuda_sim import SimulatedCuda, SimulatedFault, simulated_store
-from helpers import assert_close_all, grads
+from helpers import assert_close_all, grads, stack
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_offload import block, make_inputs
 
 import remat
 from remat._cuda_store import CudaHostStore
 from remat._offload import offload, use_host_store
 
 SEEDS = range(12)
-
-
-def block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    h = remat.checkpoint_name(torch.tanh(x @ w1), "hidden")
-    return torch.sin(h @ w2) + x
-
-
-def stack(fn: Callable[..., torch.Tensor], n: int) -> Callable[..., torch.Tensor]:
-    def run(x: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
-        for i in range(n):
-            x = fn(x, ws[2 * i], ws[2 * i + 1])
-        return x
-
-    return run
-
-
-def make_inputs(n: int) -> list[torch.Tensor]:
-    x = torch.randn(6, 4, requires_grad=True)
-    return [x] + [torch.randn(4, 4, requires_grad=True) for _ in range(2 * n)]
 
 
 def eager_step(runtime: SimulatedCuda, policy: str = "offload-dots", distance: int = 2,
