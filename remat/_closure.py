@@ -49,7 +49,7 @@ from ._errors import SavedInputMutatedError
 from ._module_state import is_stateful, storage_of
 from ._state import is_recomputing, local
 
-__all__ = ["Bindings", "find_closed_over", "global_names", "is_tracked"]
+__all__ = ["Bindings", "find_closed_over", "is_tracked"]
 
 _MAX_DEPTH = 8
 _PYTREE_TYPES = (list, tuple, dict)
@@ -254,7 +254,7 @@ class _Walker:
                 depth,
             )
         scope = fn.__globals__
-        for name in sorted(global_names(code)):
+        for name in sorted(_global_names(code)):
             if name in scope:
                 self.slot(
                     scope[name],
@@ -375,10 +375,10 @@ def _attr_access(obj: Any, key: str) -> _Access:
 
 
 @functools.lru_cache(maxsize=1024)
-def global_names(code: types.CodeType) -> frozenset[str]:
+def _global_names(code: types.CodeType) -> frozenset[str]:
     """The names ``code`` (and code nested in it) may look up as globals."""
     names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= global_names(const)
+            names |= _global_names(const)
     return frozenset(names)

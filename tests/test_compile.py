@@ -100,3 +100,14 @@ def test_backward_inside_compiled_code(policy: str, fn: Callable[..., torch.Tens
     expected, x.grad = x.grad, None
     torch.compile(step, backend="aot_eager")(x, remat.remat(fn, policy=policy))
     torch.testing.assert_close(x.grad, expected)
+
+
+def test_fullgraph_is_refused() -> None:
+    # A region is a graph break, which fullgraph=True forbids (README, docs/index.md).
+    torch._dynamo.reset()
+    inputs = make_inputs()
+    region = remat.remat(block)
+    loss = lambda x, a, b: region(x, a, b).sum()  # noqa: E731
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        compiled(*inputs[:3])

@@ -435,3 +435,5 @@ def test_a_compiled_module_inside_a_region_compiles_once() -> None:
     # The watching hook stays registered: a handle per call would change the
     # global hook table torch.compile guards on, and recompile every call.
     assert len(compiles) <= 2
+    # Under the region's saved-tensor hooks (never traced) it runs eagerly (docs/modules.md).
+    assert not compiles
