@@ -131,7 +131,7 @@ class Frame:
         self.autocast = AutocastState.capture()
         self.state_guard = state_guard_of(region.fn, leaves, region.label)
         self.versions: list[int] = []
-        #: Parameters (leaves requiring grad) the forward saved, or saved views of.
+        #: Parameters (leaves requiring grad) the forward saved views of.
         self.leaf_versions: dict[int, tuple[torch.Tensor, int]] = {}
         self.mutated_in_forward = False
         #: The frame whose recompute is running this region (rule 4), if any.
@@ -190,13 +190,16 @@ class Frame:
         return holder
 
     def note_leaf(self, t: torch.Tensor) -> None:
-        """Remember the version of a parameter that ``t`` is or views (``W.t()``).
+        """Remember the version of a parameter that ``t`` views (``W.t()``).
 
-        The recompute reads it again wherever the region found it (a global, an
-        attribute), so an in-place change before backward must raise, as autograd
-        raises for the tensors it saves.
+        The view is recomputed from the parameter wherever the region found it (a
+        global, an attribute), so an in-place change before backward must raise,
+        as autograd raises for the tensors it saves. (A parameter saved itself is
+        kept, with its version checked when unpacked.)
         """
-        base = t if t._base is None else t._base
+        base = t._base
+        if base is None:
+            return
         if base.is_leaf and base.requires_grad and id(base) not in self.leaf_versions:
             self.leaf_versions[id(base)] = (base, base._version)
 
