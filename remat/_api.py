@@ -90,8 +90,10 @@ def remat(
         preserve_rng_state (bool, optional): replay the forward's random state in
             the recompute, so dropout masks match. Default: True.
         determinism_check (bool, optional): check that the recompute runs the same
-            ops on the same shapes as the forward, and raise `RematError` naming
-            the first difference if not. Default: True.
+            ops on the same shapes and Python numbers as the forward, and raise
+            `RematError` naming the first difference if not. With False, a
+            policy that keeps op outputs still compares the ops themselves: a
+            kept output handed to another op would be garbage. Default: True.
         debug (bool, optional): record the op log of every region, so a failed
             check prints the forward and recompute logs side by side. The
             environment variable ``REMAT_DEBUG=1`` turns it on everywhere.

@@ -30,6 +30,16 @@ NOTE [ Record and replay ]
    data flow does not follow) and ops whose result Python may read (``item()``,
    ``nonzero`` and every op tagged data-dependent). View ops always run: they
    cost nothing and need no live input.
+6. Replay hands the forward's kept outputs to the recompute's ops by position,
+   so the recompute's op at each position must be the forward's, checked even
+   with ``determinism_check=False``: handing a kept output to another op would
+   compute garbage. That flag skips only the comparison of Python numbers.
+7. FSDP2 (``fully_shard``) gathers a unit's parameters in its forward pre-hook
+   with ``fsdp::`` ops, and in backward only if they were resharded since: a
+   region that records those ops would replay the gather (or miss it). A
+   ``fsdp::`` op seen by either mode raises, saying to make each unit a region
+   of its own; regions that record no ops (``nothing-saveable``) run FSDP units
+   inside them as plain autograd does.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _ops
-from ._errors import NondeterministicRecomputeError
+from ._errors import NondeterministicRecomputeError, RematError
 from ._state import local
 from .policies import Decision, Policy
 
@@ -200,6 +210,8 @@ class OpLog:
         index = len(self.records)
         outputs = _flat_tensors(out)
         traits = _traits(op)
+        if traits.fsdp:
+            raise _fsdp_inside(self.label, op)
         if traits.writes:
             self._invalidate_written(traits, args, kwargs)
         effectful = traits.writes or _draws_random(traits, args, kwargs)
@@ -364,6 +376,8 @@ class _Traits:
     written: tuple[tuple[int, str, bool], ...]
     #: How `_rebuild` packs replayed outputs: a tensor, a list or a tuple.
     returns: str
+    #: An FSDP2 op (NOTE rule 7).
+    fsdp: bool
 
 
 _TRAITS: dict[Any, _Traits] = {}
@@ -396,6 +410,19 @@ def _compute_traits(op: Any) -> _Traits:
             if argument.alias_info is not None and argument.alias_info.is_write
         ),
         returns=_return_kind(op),
+        fsdp=getattr(op, "namespace", None) == "fsdp",
+    )
+
+
+def _fsdp_inside(label: str, op: Any) -> RematError:
+    """The error for an FSDP2 unit inside a region that records ops (NOTE rule 7)."""
+    return RematError(
+        f"remat: {label} runs a fully_shard (FSDP2) module inside it ({op} is FSDP's "
+        f"parameter all-gather), and its policy records ops: the recompute would "
+        f"replay FSDP's gathers, which differ in backward. Make each fully_shard unit "
+        f"a region of its own (remat.wrap the block, then fully_shard it, or the other "
+        f"way around), or use policy='nothing-saveable' (without debug=True) for this "
+        f"region."
     )
 
 
@@ -531,9 +558,12 @@ class ReplayMode(TorchDispatchMode):
         rec = records[index] if index < len(records) else None
         if self._ran is not None:
             self._ran.append(func)
-        if self.check:
-            if rec is None or rec.op != func:
+        if rec is None or rec.op != func:
+            if _traits(func).fsdp:
+                raise _fsdp_inside(self.log.label, func)
+            if self.check or rec is not None:  # rule 6: a misplaced replay is garbage
                 raise self.mismatch(index, func)
+        elif self.check:
             scalars = _scalars(args, kwargs)
             if rec.scalars != scalars:
                 raise self.mismatch(index, func, rec.scalars, scalars)

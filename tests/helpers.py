@@ -5,12 +5,17 @@ from __future__ import annotations
 import collections
 import importlib.util
 import pathlib
+import socket
 import sys
+import tempfile
+import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -131,3 +136,33 @@ def stack(fn: Callable[..., torch.Tensor], n: int) -> Callable[..., torch.Tensor
         return x
 
     return run
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_workers(worker: Callable[[int, int, str], None], world: int, timeout_s: float) -> list[Any]:
+    """Run ``worker(rank, port, out_dir)`` in ``world`` spawned processes.
+
+    Each worker joins a process group on ``127.0.0.1:port`` and saves its
+    results to ``out_dir/rank{rank}.pt``; returns them by rank. Fails the test
+    when the workers are not done within ``timeout_s`` (a collective hang).
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(
+            worker, args=(_free_port(), out_dir), nprocs=world, join=False, start_method="spawn"
+        )
+        try:
+            # ``join`` returns False as soon as one worker ends while another runs.
+            deadline = time.monotonic() + timeout_s
+            while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the workers did not finish within {timeout_s} s")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+        return [torch.load(pathlib.Path(out_dir) / f"rank{r}.pt") for r in range(world)]

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import socket
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import run_workers
 from torch import nn
 
 from remat import apply, sequential
@@ -68,34 +65,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _run() -> list[dict[str, list[torch.Tensor]]]:
-    with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(
-            _worker,
-            args=(_free_port(), out_dir),
-            nprocs=WORLD,
-            join=False,
-            start_method="spawn",
-        )
-        try:
-            # ``join`` returns False as soon as one worker ends while another runs.
-            deadline = time.monotonic() + TIMEOUT_S
-            while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"DDP workers did not finish within {TIMEOUT_S} s")
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-        return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(WORLD)]
-
-
 @pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(),
     reason="torch.distributed with gloo is not available",
@@ -106,7 +75,8 @@ def test_ddp_wrapped_blocks_match_single_process(monkeypatch: pytest.MonkeyPatch
     x, y = _data()
     nn.functional.mse_loss(model(x), y).backward()
     expected = [p.grad for p in model.parameters()]
-    for rank, results in enumerate(_run()):  # every rank holds the all-reduced gradient
+    # Every rank holds the all-reduced gradient.
+    for rank, results in enumerate(run_workers(_worker, WORLD, TIMEOUT_S)):
         assert results.keys() == {"apply", "sequential"}
         for name, grads in results.items():
             assert len(grads) == len(expected)

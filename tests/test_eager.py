@@ -369,6 +369,27 @@ def test_nondeterministic_ops_raise_naming_the_first_differing_op() -> None:
     assert "-> " in message  # the side-by-side log marks the first difference
 
 
+@pytest.mark.parametrize("engine", ["eager", "functional"])
+def test_replay_compares_ops_even_without_the_determinism_check(engine: str) -> None:
+    calls = []
+
+    def flaky(x, w):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 1:
+            return (x @ w).sin().sin()
+        return (x.cos() @ w).sin().sin()  # op #0 differs: the kept `x @ w` must not stand in
+
+    x, w = torch.randn(3, 3), torch.randn(3, 3, requires_grad=True)
+    f = remat.remat(flaky, policy="dots-saveable", determinism_check=False, engine=engine)
+    if engine == "functional":
+        with pytest.raises(remat.NondeterministicRecomputeError, match=r"aten\.cos"):
+            torch.func.grad(lambda w: f(x, w).sum())(w)
+        return
+    out = f(x, w).sum()
+    with pytest.raises(remat.NondeterministicRecomputeError, match=r"aten\.cos"):
+        out.backward()
+
+
 def test_debug_mode_prints_op_logs_for_opless_policies() -> None:
     calls = []
 

@@ -1,0 +1,195 @@
+"""`remat.wrap`ed blocks under FSDP2 (``fully_shard``): two CPU processes over gloo.
+
+Each configuration trains the same block stack for two steps, every rank on
+its own data, and is compared with the same model trained in one process on
+all the data, without FSDP and without remat: the gradients after each
+backward and the parameters after each step, gathered whole.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import run_workers
+from torch import nn
+
+import remat
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(),
+        reason="torch.distributed with gloo is not available",
+    ),
+]
+
+WORLD = 2
+TIMEOUT_S = 120
+STEPS = 2
+WIDTH = 16
+
+#: (policy, order, reshard_after_forward, whether each block recomputes).
+CONFIGS = [
+    ("nothing-saveable", "wrap-then-shard", True, [1, 1, 1, 1]),
+    ("dots-saveable", "wrap-then-shard", True, [1, 1, 1, 1]),
+    ("save-last", "wrap-then-shard", True, [1, 1, 1, 0]),  # the last block keeps all
+    ("everything-saveable", "wrap-then-shard", True, [0, 0, 0, 0]),
+    ("nothing-saveable", "shard-then-wrap", False, [1, 1, 1, 1]),
+    ("dots-saveable", "shard-then-wrap", False, [1, 1, 1, 1]),
+]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(WIDTH, 2 * WIDTH)
+        self.fc2 = nn.Linear(2 * WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.recomputes = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.recomputes += remat.is_recomputing()
+        return self.norm(x + self.fc2(nn.functional.gelu(self.fc1(x))))
+
+
+class Stage(nn.Module):
+    """Two blocks in one region: FSDP units inside a region."""
+
+    def __init__(self, a: nn.Module, b: nn.Module) -> None:
+        super().__init__()
+        self.a, self.b = a, b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))  # type: ignore[no-any-return]
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block() for _ in range(4)], nn.Linear(WIDTH, 1))
+
+
+def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(4, WIDTH, generator=generator), torch.randn(4, 1, generator=generator)
+
+
+def _sharded(policy: str, order: str, reshard: bool) -> nn.Sequential:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    blocks = list(model)[:4]
+    if order == "wrap-then-shard":
+        for block in blocks:
+            remat.wrap(block, policy=policy)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    if order == "shard-then-wrap":
+        for block in blocks:
+            remat.wrap(block, policy=policy)
+    return model
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return full.detach().clone()
+
+
+def _train(model: nn.Module, rank: int | None) -> dict[str, Any]:
+    """Two SGD steps; ``rank`` None: one process on every rank's data."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trace: dict[str, Any] = {"grads": [], "params": []}
+    for step in range(STEPS):
+        ranks = range(WORLD) if rank is None else (rank,)
+        x, y = (torch.cat(parts) for parts in zip(*[_data(step, r) for r in ranks], strict=True))
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        trace["grads"].append([_whole(p.grad) for p in model.parameters()])
+        optimizer.step()
+        trace["params"].append([_whole(p) for p in model.parameters()])
+    trace["recomputes"] = [block.recomputes for block in list(model)[:4]]
+    return trace
+
+
+def _stage_regions(policy: str) -> nn.Module:
+    """Blocks sharded one by one, run two at a time by regions that contain them."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    blocks = list(model)[:4]
+    for block in blocks:
+        fully_shard(block)
+    stages = [remat.wrap(Stage(blocks[0], blocks[1]), policy=policy),
+              remat.wrap(Stage(blocks[2], blocks[3]), policy=policy)]
+    return fully_shard(nn.Sequential(*stages, model[4]))  # type: ignore[no-any-return]
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
+    try:
+        results: dict[str, Any] = {}
+        for policy, order, reshard, _ in CONFIGS:
+            results[f"{policy} {order} {reshard}"] = _train(_sharded(policy, order, reshard), rank)
+        x, y = _data(0, rank)
+        stages = _stage_regions("nothing-saveable")  # records no ops: FSDP runs as usual
+        nn.functional.mse_loss(stages(x), y).backward()
+        results["stages nothing-saveable"] = [_whole(p.grad) for p in stages.parameters()]
+        try:  # last: the error leaves this model's FSDP state mid-forward
+            _stage_regions("dots-saveable")(x)
+        except remat.RematError as error:
+            results["stages dots-saveable"] = str(error)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # stay on 127.0.0.1
+    request.addfinalizer(monkeypatch.undo)
+    return run_workers(_worker, WORLD, TIMEOUT_S)
+
+
+@pytest.mark.parametrize(("policy", "order", "reshard", "recomputes"), CONFIGS)
+def test_wrapped_blocks_train_as_one_process(
+    results: list[dict[str, Any]], policy: str, order: str, reshard: bool, recomputes: list[int]
+) -> None:
+    expected = _train(_model(), rank=None)
+    for rank, by_config in enumerate(results):
+        trace = by_config[f"{policy} {order} {reshard}"]
+        for kind in ("grads", "params"):
+            for step, (got, want) in enumerate(zip(trace[kind], expected[kind], strict=True)):
+                for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                    torch.testing.assert_close(
+                        g, w, rtol=1e-5, atol=1e-5, msg=f"rank {rank}, step {step}, {kind} {i}"
+                    )
+        assert trace["recomputes"] == [STEPS * r for r in recomputes]
+
+
+def test_fsdp_units_inside_a_region_without_op_trace(results: list[dict[str, Any]]) -> None:
+    model = _model()
+    x, y = _data(0, 0)
+    x = torch.cat([x, _data(0, 1)[0]])
+    y = torch.cat([y, _data(0, 1)[1]])
+    nn.functional.mse_loss(model(x), y).backward()
+    for by_config in results:
+        got = by_config["stages nothing-saveable"]
+        assert len(got) == len(list(model.parameters()))
+        for g, p in zip(got, model.parameters(), strict=True):
+            torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_fsdp_units_inside_a_region_that_records_ops_raise(
+    results: list[dict[str, Any]],
+) -> None:
+    for by_config in results:
+        message = by_config["stages dots-saveable"]
+        assert "fully_shard (FSDP2) module inside it" in message
+        assert "Stage.forward" in message and "region of its own" in message
