@@ -77,17 +77,18 @@ def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, WIDTH, generator=generator), torch.randn(4, 1, generator=generator)
 
 
-def _sharded(policy: str, order: str, reshard: bool) -> nn.Sequential:
+def _sharded(policy: str | None, order: str, reshard: bool, **options: Any) -> nn.Sequential:
+    """The model, its blocks wrapped (``policy`` None: not) and sharded in ``order``."""
     from torch.distributed.fsdp import fully_shard
 
     model = _model()
-    blocks = list(model)[:4]
+    blocks = list(model)[:4] if policy is not None else []
     if order == "wrap-then-shard":
         for block in blocks:
             remat.wrap(block, policy=policy)
-    for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+    for block in list(model)[:4]:
+        fully_shard(block, reshard_after_forward=reshard, **options)
+    fully_shard(model, reshard_after_forward=reshard, **options)
     if order == "shard-then-wrap":
         for block in blocks:
             remat.wrap(block, policy=policy)
@@ -136,6 +137,14 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         results: dict[str, Any] = {}
         for policy, order, reshard, _ in CONFIGS:
             results[f"{policy} {order} {reshard}"] = _train(_sharded(policy, order, reshard), rank)
+        # Mixed precision: bf16 compute, against the same FSDP model without remat.
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        bf16 = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
+        results["bf16"] = [
+            _train(_sharded(policy, "wrap-then-shard", True, **bf16), rank)
+            for policy in ("dots-saveable", None)
+        ]
         x, y = _data(0, rank)
         stages = _stage_regions("nothing-saveable")  # records no ops: FSDP runs as usual
         nn.functional.mse_loss(stages(x), y).backward()
@@ -171,6 +180,16 @@ def test_wrapped_blocks_train_as_one_process(
                         g, w, rtol=1e-5, atol=1e-5, msg=f"rank {rank}, step {step}, {kind} {i}"
                     )
         assert trace["recomputes"] == [STEPS * r for r in recomputes]
+
+
+def test_mixed_precision_matches_fsdp_without_remat(results: list[dict[str, Any]]) -> None:
+    for by_config in results:
+        wrapped, plain = by_config["bf16"]
+        assert wrapped["recomputes"] == [STEPS] * 4
+        for kind in ("grads", "params"):
+            for got, want in zip(wrapped[kind], plain[kind], strict=True):
+                for g, w in zip(got, want, strict=True):
+                    torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 def test_fsdp_units_inside_a_region_without_op_trace(results: list[dict[str, Any]]) -> None:
