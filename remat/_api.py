@@ -14,6 +14,7 @@ from . import policies
 from ._compile import uncompiled
 from ._engines.hooks import run_eager
 from ._errors import RematError
+from ._lowering import contexts_for, in_lowered_region, lowers, run_lowered
 from ._offload import HostStore
 from ._pytree import tensor_leaves
 from ._region import Region, describe_callable
@@ -179,9 +180,10 @@ def make_region(
     argnums = _normalize(static_argnums, int, "static_argnums")
     argnames = _normalize(static_argnames, str, "static_argnames")
     _check_static(fn, argnums, argnames)
+    resolved = policies.resolve(policy)
     return Region(
         fn=fn,
-        policy=policies.resolve(policy),
+        policy=resolved,
         preserve_rng_state=bool(preserve_rng_state),
         determinism_check=bool(determinism_check),
         debug=bool(debug) or os.environ.get("REMAT_DEBUG", "") not in ("", "0"),
@@ -190,11 +192,19 @@ def make_region(
         static_argnames=frozenset(argnames),
         offload_store=offload_store,
         engine=engine,
+        selective=contexts_for(resolved),
     )
 
 
 def call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run one call of ``region`` on the engine it asks for (or the one the context needs)."""
+    """Run one call of ``region`` on the engine it asks for (or the one the context needs).
+
+    Traced by ``torch.compile``, the call is lowered into the compiled graph
+    when it can be (``_lowering.py``) and is a graph break otherwise.
+    """
+    if torch.compiler.is_compiling() and (in_lowered_region() or lowers(region)):
+        eager = functools.partial(uncompiled, _call_region, region)
+        return run_lowered(region, region.fn, args, kwargs, eager)
     return uncompiled(_call_region, region, args, kwargs)
 
 
@@ -293,6 +303,8 @@ def checkpoint_name(x: T, name: str) -> T:
     """
     if not isinstance(name, str):
         raise TypeError(f"remat.checkpoint_name: name must be a str, got {name!r}")
+    if torch.compiler.is_compiling():
+        return x  # name policies are not lowered: they run eagerly (see ``_lowering.py``)
     if local.recorders:
         recorder = local.recorders[-1]
         for leaf in tensor_leaves(x):

@@ -27,17 +27,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from . import policies
 from ._api import call_region, make_region, remat
 from ._compile import uncompiled
+from ._lowering import in_lowered_region, lowers, run_lowered
 from ._module_state import StateGuard
 from .policies import PolicyLike
 
@@ -122,6 +125,14 @@ class _RematForward:
         return self.region.policy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and (in_lowered_region() or lowers(self.region)):
+            module = self.module_ref()
+            assert module is not None, "this is a bug in remat, please report it"
+            # Not a `_Forward`: Dynamo traces neither its bound method nor its guard,
+            # and compiled code needs no guard (NOTE [ Lowering under torch.compile ]).
+            forward = self.original or functools.partial(type(module).forward, module)
+            eager = functools.partial(uncompiled, self._call)
+            return run_lowered(self.region, forward, args, kwargs, eager)
         return uncompiled(self._call, args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -396,9 +407,14 @@ class _Segment:
         self.remat_guards_modules = True  # see `state_guard_of`
 
     def __call__(self, x: Any) -> Any:
+        if torch.compiler.is_compiling():  # lowered: no guard (NOTE [ Lowering ... ] rule 8)
+            return self._run(x)
         with self.state.guarded():
-            for layer in self.layers:
-                x = layer(x)
+            return self._run(x)
+
+    def _run(self, x: Any) -> Any:
+        for layer in self.layers:
+            x = layer(x)
         return x
 
 

@@ -39,6 +39,9 @@ class Region:
     offload_store: HostStore | None = None
     #: "auto" (the torch.func engine under a transform, else eager), "eager" or "functional".
     engine: str = "auto"
+    #: Under ``torch.compile``: the selective checkpoint's ``context_fn`` when the
+    #: policy lowers to one, else None (NOTE [ Lowering under torch.compile ]).
+    selective: Callable[[], Any] | None = None
 
 
 def describe_callable(fn: Callable[..., Any]) -> str:

@@ -1,4 +1,8 @@
-"""Regions under ``torch.compile``: they run eagerly (a graph break), the code around compiles."""
+"""Regions under ``torch.compile`` that do not lower: they run eagerly (a graph break).
+
+The code around them compiles. Regions that lower into the compiled graph are
+tested in ``test_lowering.py``.
+"""
 
 from __future__ import annotations
 
@@ -38,9 +42,7 @@ def model(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return run
 
 
-@pytest.mark.parametrize(
-    "policy", ["nothing-saveable", "dots-saveable", "save:hidden", "save-last", "offload-dots"]
-)
+@pytest.mark.parametrize("policy", ["save:hidden", "save-last", "offload-dots"])
 def test_compiled_gradients_match_eager(policy: str) -> None:
     torch._dynamo.reset()
     inputs = make_inputs()
@@ -73,7 +75,7 @@ def test_compiled_module_with_wrapped_blocks() -> None:
     )
     x = torch.randn(4, 8)
     expected = torch.autograd.grad(net(x).square().sum(), list(net.parameters()))
-    remat.apply(net, where=torch.nn.Linear, policy="nothing-saveable")
+    remat.apply(net, where=torch.nn.Linear, policy="save-last")  # not lowered
     compiled = torch.compile(net, backend="aot_eager")
     actual = torch.autograd.grad(compiled(x).square().sum(), list(net.parameters()))
     assert_close_all(actual, expected)
@@ -100,14 +102,3 @@ def test_backward_inside_compiled_code(policy: str, fn: Callable[..., torch.Tens
     expected, x.grad = x.grad, None
     torch.compile(step, backend="aot_eager")(x, remat.remat(fn, policy=policy))
     torch.testing.assert_close(x.grad, expected)
-
-
-def test_fullgraph_is_refused() -> None:
-    # A region is a graph break, which fullgraph=True forbids (README, docs/index.md).
-    torch._dynamo.reset()
-    inputs = make_inputs()
-    region = remat.remat(block)
-    loss = lambda x, a, b: region(x, a, b).sum()  # noqa: E731
-    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
-    with pytest.raises(torch._dynamo.exc.Unsupported):
-        compiled(*inputs[:3])

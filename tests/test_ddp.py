@@ -15,7 +15,7 @@ from remat import apply, sequential
 pytestmark = pytest.mark.distributed
 
 WORLD = 2
-TIMEOUT_S = 60
+TIMEOUT_S = 120
 
 
 class SequentialNet(nn.Module):

@@ -376,7 +376,7 @@ class _RematFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return call.forward(tensors)
+        return uncompiled(call.forward, tensors)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

@@ -1,0 +1,224 @@
+"""Regions under ``torch.compile``: lowered to ``torch.utils.checkpoint`` with a selective policy.
+
+NOTE [ Lowering under torch.compile ]
+1. When Dynamo traces a region call that `lowers` (``engine="auto"``, no
+   ``torch.func`` transform, a policy `lowerable` says yes to), the call
+   becomes ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False,
+   context_fn=...)`` whose selective-checkpoint policy is the region's:
+   ``SAVE`` is ``MUST_SAVE``, ``RECOMPUTE`` is ``PREFER_RECOMPUTE``. Dynamo
+   turns it into a ``tag_activation_checkpoint`` higher-order op, and
+   AOTAutograd's partitioner saves what the policy saves and recomputes the
+   rest inside the compiled backward graph. ``fullgraph=True`` works.
+2. As in the engines (NOTE [ Record and replay ] rule 4), random and in-place
+   ops are recomputed whatever the policy says.
+3. Lowerable policies decide by op alone and never ``OFFLOAD``:
+   ``everything-saveable``, ``nothing-saveable``, the dots policies,
+   `save_these_ops` and their sums. The others keep the graph break of
+   ``_compile.py`` and run in the eager engine: name policies
+   (`checkpoint_name` is Python, invisible to the compiled graph), ``save-last``
+   (the last region is known only at run time), offload (the host store is
+   ours) and callables (they may read data or return ``OFFLOAD``).
+4. ``everything-saveable`` runs ``fn`` as is: plain autograd.
+5. Nested regions: inside a lowered region every region (lowerable or not)
+   runs its function plainly, so the outer policy decides every op: the
+   engines' "outer policy wins". The engines' second-level recompute under the
+   inner policy is not lowered (it changes memory, not values).
+6. Random state. Compiled, AOTAutograd replays random ops' state in the
+   backward graph. Where torch runs the higher-order op eagerly instead
+   (``backend="eager"``) it passes ``preserve_rng_state=False``: the recompute
+   would draw new dropout masks, silently. Our two modes snapshot the random
+   state when the forward starts and restore it around the recompute (only
+   when not tracing: traced, the states are fake).
+7. With ``torch._functorch.config.activation_memory_budget`` below 1, torch
+   2.13 crashes on ``MUST_SAVE`` for an op with several outputs (SDPA, layer
+   norm): those get ``PREFER_SAVE``.
+8. Not carried into compiled code: ``determinism_check``, ``debug``,
+   ``offload_store``, ``preserve_rng_state=False`` (the state is always
+   replayed) and ``remat.is_recomputing()`` (the recompute is compiled code;
+   Python does not run again). Module state needs no `StateGuard`:
+   AOTAutograd applies a forward's buffer updates once.
+9. When Dynamo cannot trace a region's body whole (a graph break inside: a
+   ``print``, a side effect, data-dependent Python) it runs the checkpoint
+   call eagerly, compiling the body's frames one by one. Torch's checkpoint
+   would then recompute compiled frames that update buffers (BatchNorm's
+   running statistics twice) and drop names and offload. So the body, run
+   eagerly, hands the call to remat's eager engine (the region keeps all its
+   guarantees, as a graph break would have given it) and leaves torch's
+   checkpoint an empty shell: its forward mode passes ops through, and as no
+   tensor is saved under its hooks it never recomputes.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ._policy_base import Decision, Policy
+from ._policy_jax import Dots, EverythingSaveable, NothingSaveable, SaveFromBothPolicies
+from ._policy_ops import SaveTheseOps
+from ._region import Region
+from ._replay import _draws_random, _traits
+from ._rng import RngState
+
+__all__ = ["contexts_for", "in_lowered_region", "lowers", "run_lowered"]
+
+#: Lowered regions being traced around this call (NOTE rule 5). A list, not a
+#: thread-local: Dynamo tracks mutations of module-level lists while tracing.
+_depth = [0]
+
+
+def _lowerable(policy: Policy) -> bool:
+    """Whether ``policy`` has a selective-checkpoint equivalent (NOTE rule 3)."""
+    if isinstance(policy, SaveFromBothPolicies):
+        return _lowerable(policy.a) and _lowerable(policy.b)
+    if isinstance(policy, Dots):
+        return policy.decision is Decision.SAVE
+    return isinstance(policy, (EverythingSaveable, NothingSaveable, SaveTheseOps))
+
+
+def lowers(region: Region) -> bool:
+    """Whether a call of ``region`` that Dynamo traces becomes a checkpoint (NOTE rule 1)."""
+    return (
+        region.selective is not None
+        and region.engine == "auto"
+        # Not `peek_interpreter_stack()`: Dynamo always sees an interpreter there.
+        and torch._C._functorch.maybe_current_level() is None
+    )
+
+
+def in_lowered_region() -> bool:
+    """Whether Dynamo is tracing the body of a lowered region (NOTE rule 5)."""
+    return _depth[0] > 0
+
+
+#: How to run a region call in remat's eager engine: ``eager(args, kwargs)``.
+Eager = Callable[[tuple[Any, ...], dict[str, Any]], Any]
+
+
+def run_lowered(
+    region: Region,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    eager: Eager,
+) -> Any:
+    """``fn(*args, **kwargs)`` as a selective checkpoint with ``region``'s policy.
+
+    ``eager`` runs the call in remat's engine instead, should Dynamo give up
+    tracing the region whole (NOTE rule 9).
+    """
+    if _depth[0] or region.policy.keeps_everything:
+        return fn(*args, **kwargs)  # NOTE rules 4 and 5
+    # ``kwargs`` bound here: a keyword such as ``debug`` would go to ``checkpoint``.
+    body = functools.partial(_body, fn, eager, kwargs)
+    context_fn: Any = region.selective
+    _depth[0] += 1
+    try:
+        return torch_checkpoint.checkpoint(
+            body, *args, use_reentrant=False, context_fn=context_fn
+        )
+    finally:
+        _depth[0] -= 1
+
+
+def _body(fn: Callable[..., Any], eager: Eager, kwargs: dict[str, Any], *args: Any) -> Any:
+    if torch.compiler.is_compiling():
+        return fn(*args, **kwargs)  # traced into the checkpoint's graph
+    # Run by torch's checkpoint in eager mode (NOTE rule 9): leave it a shell.
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, _ForwardMode):
+            mode.shell = True
+            break
+    return eager(args, kwargs)
+
+
+# -- the selective-checkpoint policy and modes --------------------------------
+
+
+class _SelectivePolicy:
+    """A remat policy as the ``policy_fn`` of selective checkpointing."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if not isinstance(op, torch._ops.OpOverload):
+            return CheckpointPolicy.PREFER_RECOMPUTE  # a higher-order op
+        traits = _traits(op)
+        if traits.writes or _draws_random(traits, args, kwargs):
+            return CheckpointPolicy.PREFER_RECOMPUTE  # NOTE rule 2
+        policy = self.policy
+        if policy.decide(policy.decide_op(op, args, kwargs), None) is not Decision.SAVE:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        several = isinstance(getattr(ctx, "op_output", None), (tuple, list))
+        if several and torch._functorch.config.activation_memory_budget < 1:
+            return CheckpointPolicy.PREFER_SAVE  # NOTE rule 7
+        return CheckpointPolicy.MUST_SAVE
+
+
+class _ForwardMode(torch_checkpoint._CachingTorchDispatchMode):
+    """Torch's forward mode, which also snapshots the random state (NOTE rule 6)."""
+
+    rng: RngState | None = None
+    #: Remat's engine runs the region inside: pass every op through (NOTE rule 9).
+    shell = False
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if self.shell:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
+
+    def __enter__(self) -> Any:
+        self.rng = None if torch.compiler.is_compiling() else RngState.capture(())
+        return super().__enter__()  # type: ignore[no-untyped-call]
+
+
+class _RecomputeMode(torch_checkpoint._CachedTorchDispatchMode):
+    """Torch's recompute mode, run with the forward's random state (NOTE rule 6)."""
+
+    def __init__(self, forward: _ForwardMode, storage: Any) -> None:
+        super().__init__(None, storage)
+        self.forward = forward
+        self._restored: Any = None
+
+    def __enter__(self) -> Any:
+        if self.forward.rng is not None:
+            self._restored = self.forward.rng.restored()
+            self._restored.__enter__()
+        return super().__enter__()  # type: ignore[no-untyped-call]
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        finally:
+            restored, self._restored = self._restored, None
+            if restored is not None:
+                restored.__exit__(None, None, None)
+
+
+def contexts_for(policy: Policy) -> Callable[[], tuple[Any, Any]] | None:
+    """The ``context_fn`` that lowers ``policy``, or None when it does not lower.
+
+    Made with the region, before Dynamo traces a call (it refuses a
+    ``context_fn`` made while tracing), as a ``functools.partial`` of a module
+    function (it refuses a callable object; a local function would not pickle).
+    """
+    if not _lowerable(policy):
+        return None
+    return functools.partial(_modes, _SelectivePolicy(policy))
+
+
+def _modes(policy_fn: _SelectivePolicy) -> tuple[_ForwardMode, _RecomputeMode]:
+    """A fresh pair of modes for one checkpoint call, sharing their storage."""
+    storage: dict[Any, dict[int, Any]] = collections.defaultdict(dict)
+    forward = _ForwardMode(policy_fn, storage)
+    return forward, _RecomputeMode(forward, storage)
