@@ -29,6 +29,26 @@ def test_bench_runs_and_every_variant_matches_no_remat() -> None:
     assert results["torch_func_grad"]["remat nothing-saveable"].startswith("runs")
 
 
+def test_compiled_bench_matches_torch_checkpointing_byte_for_byte() -> None:
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        results = load("compiled").main(small=True)
+    rows = {row["variant"]: row for row in results["rows"]}
+    assert all(row["max_grad_diff"] < 1e-5 and row["graphs"] == 1 for row in rows.values())
+    same = [
+        ("remat nothing-saveable", "torch checkpoint"),
+        ("remat dots-saveable", "torch selective (dots ops)"),
+    ]
+    for ours, theirs in same:
+        for column in ("saved_bytes", "saved_random_states", "backward_matmuls"):
+            assert rows[ours][column] == rows[theirs][column], (ours, column)
+    saved = [rows[f"remat {p}"]["saved_bytes"] for p in ("nothing-saveable", "dots-saveable")]
+    assert saved[0] < saved[1] < rows["no remat"]["saved_bytes"]
+    # The dots policies recompute no matmul; nothing-saveable recomputes them.
+    assert rows["remat dots-saveable"]["backward_matmuls"] == rows["no remat"]["backward_matmuls"]
+    assert rows["remat nothing-saveable"]["backward_matmuls"] > rows["no remat"]["backward_matmuls"]
+    assert "| remat dots-saveable |" in out.getvalue()
+
+
 def test_policy_table_in_the_docs_is_what_the_script_prints() -> None:
     with contextlib.redirect_stdout(io.StringIO()) as out:
         load("policy_table").main()

@@ -1,0 +1,195 @@
+"""Benchmark remat's lowered policies under ``torch.compile`` against torch's own checkpointing.
+
+On the GPT-style block stack of ``bench.py`` (``remat._demo_model.Stack``),
+compiled whole, it measures per variant: the bytes the compiled forward graph
+saves for the compiled backward graph (exact: the sizes of the forward
+graph's saved outputs, from the graph's own metadata), how many matmuls the
+backward graph runs (gradients plus recomputed ones), one training step's time
+as a ratio to the compiled stack without remat (median of interleaved
+repetitions), and the largest gradient difference from no remat.
+
+Variants: no remat, ``torch.utils.checkpoint`` per block, torch selective
+checkpointing saving the dots, and the remat policies that lower
+(``docs/compile.md``).
+
+Run: ``python benchmarks/compiled.py`` (``--help`` for sizes and the backend;
+``aot_eager`` by default, ``inductor`` needs a C++ compiler on CPU). Prints a
+Markdown table and returns the results; nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+from remat import _demo_model as demo
+
+VARIANTS = (
+    ("no remat", demo.NO_REMAT),
+    ("torch checkpoint", demo.TORCH_CHECKPOINT),
+    ("torch selective (dots ops)", demo.TORCH_SELECTIVE + "dots-saveable"),
+    ("remat nothing-saveable", "nothing-saveable"),
+    ("remat dots-saveable", "dots-saveable"),
+    ("remat dots-no-batch-saveable", "dots-no-batch-saveable"),
+)
+MATMULS = {"aten.mm.default", "aten.bmm.default", "aten.addmm.default"}
+
+
+def saved(forward: torch.fx.GraphModule, user_outputs: int) -> tuple[int, int]:
+    """What the forward graph saves for backward (its outputs beyond the user's).
+
+    Returns the bytes of the saved tensors of known size, and how many random
+    states it saves (a recomputed random op's generator state, whose size the
+    graph leaves symbolic: 5,056 bytes each for the CPU generator).
+    """
+    inputs = {node for node in forward.graph.nodes if node.op == "placeholder"}
+    (output,) = [node for node in forward.graph.nodes if node.op == "output"]
+    total, states = 0, 0
+    for node in output.args[0][user_outputs:]:
+        value = getattr(node, "meta", {}).get("val")
+        if node in inputs or not isinstance(value, torch.Tensor):  # inputs cost nothing more
+            continue
+        if isinstance(value.numel(), int):
+            total += value.numel() * value.element_size()
+        else:
+            states += 1
+    return total, states
+
+
+class Capture:
+    """Compile with ``backend`` after AOTAutograd, keeping the forward and backward graphs."""
+
+    def __init__(self, backend: str) -> None:
+        self.forward: list[torch.fx.GraphModule] = []
+        self.backward: list[torch.fx.GraphModule] = []
+        compile_after = _compiler(backend)
+
+        def keep(graphs: list[torch.fx.GraphModule]) -> Callable[..., Any]:
+            def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+                graphs.append(gm)
+                return compile_after(gm, example_inputs)
+
+            return compiler
+
+        self.backend = aot_autograd(fw_compiler=keep(self.forward), bw_compiler=keep(self.backward))
+
+
+def _compiler(backend: str) -> Callable[..., Any]:
+    if backend == "aot_eager":
+        return lambda gm, _: make_boxed_func(gm)
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        return compile_fx_inner  # type: ignore[no-any-return]
+    raise SystemExit(f"compiled.py: --backend must be aot_eager or inductor, got {backend!r}")
+
+
+def measure(model: demo.Stack, x: torch.Tensor, backend: str, repeats: int) -> list[dict[str, Any]]:
+    """Compile each variant once, then time interleaved repetitions."""
+    steps, rows = {}, {}
+    torch._dynamo.reset()
+    for label, checkpointing in VARIANTS:
+        model.loss(x, checkpointing)  # build the variant's wrappers before Dynamo traces
+        capture = Capture(backend)
+        loss = torch.compile(own_code(model, checkpointing), backend=capture.backend, dynamic=False)
+        model.zero_grad(set_to_none=True)
+        loss(x).backward()
+        steps[label] = loss
+        rows[label] = {
+            "variant": label,
+            "graphs": len(capture.forward),
+            "saved_bytes": sum(saved(gm, 1)[0] for gm in capture.forward),
+            "saved_random_states": sum(saved(gm, 1)[1] for gm in capture.forward),
+            "backward_matmuls": sum(
+                str(node.target) in MATMULS for gm in capture.backward for node in gm.graph.nodes
+            ),
+            "grads": [p.grad.clone() for p in model.parameters() if p.grad is not None],
+        }
+    times: dict[str, list[float]] = {label: [] for label in steps}
+    labels = list(steps)
+    for r in range(repeats):
+        for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
+            model.zero_grad(set_to_none=True)
+            times[label].append(_seconds(steps[label], x))
+    reference = rows["no remat"]["grads"]
+    median = {label: statistics.median(ts) for label, ts in times.items()}
+    for label, row in rows.items():
+        grads = row.pop("grads")
+        row["max_grad_diff"] = max(
+            (a - b).abs().max().item() for a, b in zip(grads, reference, strict=True)
+        )
+        row["time_vs_none"] = median[label] / median["no remat"]
+    return list(rows.values())
+
+
+def own_code(model: demo.Stack, checkpointing: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``model.loss(x, checkpointing)`` as a function with a code object of its own.
+
+    Dynamo keeps compiled code per code object and checks each entry's guards
+    in turn: variants sharing one would pay for the guards of those compiled
+    before them.
+    """
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return model.loss(x, checkpointing)
+
+    return types.FunctionType(
+        loss.__code__.replace(), loss.__globals__, loss.__name__, None, loss.__closure__
+    )
+
+
+def _seconds(loss: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
+    """One training step's wall time (CPU: no device to synchronize)."""
+    start = time.perf_counter()
+    loss(x).backward()
+    return time.perf_counter() - start
+
+
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
+    none = rows[0]["saved_bytes"]
+    lines = [
+        "| variant | saved for backward (bytes) | vs no remat | random states saved "
+        "| backward matmuls | time vs no remat | max grad diff |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['variant']} | {row['saved_bytes']:,} | {row['saved_bytes'] / none:.3f} "
+            f"| {row['saved_random_states']} | {row['backward_matmuls']} "
+            f"| {row['time_vs_none']:.2f}x "
+            f"| {row['max_grad_diff']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, small: bool = False) -> dict[str, Any]:
+    """Run the benchmark and print the table; return the results."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    defaults = {"depth": 8, "width": 128, "heads": 4, "batch": 8, "seq": 128, "repeats": 7}
+    if small:
+        defaults |= {"depth": 2, "width": 16, "heads": 2, "batch": 2, "seq": 8, "repeats": 1}
+    for name, default in defaults.items():
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--backend", default="aot_eager", help="aot_eager or inductor")
+    args = parser.parse_args([] if argv is None and small else argv)
+    torch.set_num_threads(1)
+    model = demo.Stack(depth=args.depth, width=args.width, heads=args.heads)
+    x = demo.make_input(model, batch=args.batch, seq=args.seq)
+    rows = measure(model, x, args.backend, args.repeats)
+    config = {k: getattr(args, k) for k in defaults} | {"backend": args.backend}
+    print(f"GPT-style stack {config}, float32, torch {torch.__version__}, {sys.platform}")
+    print(markdown(rows))
+    return {"config": config, "rows": rows}
+
+
+if __name__ == "__main__":
+    main()
