@@ -23,12 +23,16 @@ NOTE [ Lowering under torch.compile ]
    runs its function plainly, so the outer policy decides every op: the
    engines' "outer policy wins". The engines' second-level recompute under the
    inner policy is not lowered (it changes memory, not values).
-6. Random state. Compiled, AOTAutograd replays random ops' state in the
-   backward graph. Where torch runs the higher-order op eagerly instead
-   (``backend="eager"``) it passes ``preserve_rng_state=False``: the recompute
-   would draw new dropout masks, silently. Our two modes snapshot the random
-   state when the forward starts and restore it around the recompute (only
-   when not tracing: traced, the states are fake).
+6. ``backend="eager"`` runs the traced checkpoint eagerly, through torch's
+   eager selective checkpoint, with ``preserve_rng_state=False``: the
+   recompute would draw new dropout masks, silently. Our two modes snapshot
+   the random state when the forward starts and restore it around the
+   recompute (only when not tracing: traced, the states are fake). Run so,
+   they also keep nothing, whatever the policy: torch's eager selective
+   checkpoint would refuse a second backward and a kept output written in
+   place later. A region that writes a buffer in place still raises there
+   (the recompute writes it again). Compiled for real, AOTAutograd replays
+   random ops' state in the backward graph itself.
 7. With ``torch._functorch.config.activation_memory_budget`` below 1, torch
    2.13 crashes on ``MUST_SAVE`` for an op with several outputs (SDPA, layer
    norm): those get ``PREFER_SAVE``.
@@ -164,7 +168,14 @@ class _SelectivePolicy:
 
 
 class _ForwardMode(torch_checkpoint._CachingTorchDispatchMode):
-    """Torch's forward mode, which also snapshots the random state (NOTE rule 6)."""
+    """Torch's forward mode, which snapshots the random state and keeps nothing eagerly.
+
+    Run while tracing, it tags ops with the policy's choices. Run eagerly
+    (NOTE rule 6) it recomputes every op, whatever the policy: torch's eager
+    selective checkpoint hands a kept output to one backward only and refuses
+    one written in place later (a residual ``h += x``), where plain autograd
+    and remat's engines do neither.
+    """
 
     rng: RngState | None = None
     #: Remat's engine runs the region inside: pass every op through (NOTE rule 9).
@@ -178,8 +189,14 @@ class _ForwardMode(torch_checkpoint._CachingTorchDispatchMode):
         return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
 
     def __enter__(self) -> Any:
-        self.rng = None if torch.compiler.is_compiling() else RngState.capture(())
+        if not torch.compiler.is_compiling():
+            self.rng = RngState.capture(())
+            self.policy_fn = _recompute_everything
         return super().__enter__()  # type: ignore[no-untyped-call]
+
+
+def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _RecomputeMode(torch_checkpoint._CachedTorchDispatchMode):

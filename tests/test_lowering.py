@@ -156,6 +156,26 @@ def test_running_statistics_update_once_when_dynamo_gives_up() -> None:
     torch.testing.assert_close(net.norm.running_mean, reference.norm.running_mean)
 
 
+def test_eager_backend_allows_a_second_backward_and_writes_to_kept_outputs() -> None:
+    # backend="eager" runs torch's eager selective checkpoint, which hands a
+    # kept output to one backward only and refuses one written in place later.
+    @remat.remat(policy="dots-saveable")
+    def region(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w
+
+    def residual(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = region(x, w)
+        h += x  # written in place after the region kept it
+        return torch.tanh(h).sum()
+
+    x, w = make_inputs()[1:3]
+    expected = torch.autograd.grad(torch.tanh(x @ w + x).sum(), [x, w])
+    torch._dynamo.reset()
+    loss = torch.compile(residual, backend="eager", fullgraph=True)(x, w)
+    for _ in range(2):  # a second backward through the same graph
+        assert_close_all(torch.autograd.grad(loss, [x, w], retain_graph=True), expected)
+
+
 def test_buffer_updates_under_the_eager_backend_raise() -> None:
     # backend="eager" runs the traced checkpoint with torch's eager selective
     # checkpoint, which replays BatchNorm's in-place update: torch raises.
