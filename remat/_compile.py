@@ -27,7 +27,8 @@ R = TypeVar("R")
 
 
 def uncompiled(fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-    """``fn(*args, **kwargs)``, run eagerly when ``torch.compile`` traces this call.
+    """``fn(*args, **kwargs)``, run eagerly: a graph break when ``torch.compile``
+    traces this call, and no frame below it compiled in any case.
 
     Examples:
         >>> uncompiled(max, 1, 2)
