@@ -58,8 +58,17 @@ class Graphs:
         self.dynamo: list[torch.fx.GraphModule] = []
         self.forward: list[torch.fx.GraphModule] = []
         self.backward: list[torch.fx.GraphModule] = []
-        keep = lambda graphs: lambda gm, _: (graphs.append(gm), make_boxed_func(gm))[1]  # noqa: E731
-        self._aot = aot_autograd(fw_compiler=keep(self.forward), bw_compiler=keep(self.backward))
+        self._aot = aot_autograd(
+            fw_compiler=self._keeping(self.forward), bw_compiler=self._keeping(self.backward)
+        )
+
+    @staticmethod
+    def _keeping(graphs: list[torch.fx.GraphModule]) -> Callable[..., Any]:
+        def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            graphs.append(gm)
+            return make_boxed_func(gm)  # run as traced, as aot_eager does
+
+        return compiler
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         self.dynamo.append(gm)
@@ -225,6 +234,19 @@ def test_sequential_segments_lower() -> None:
     run = lambda x: remat.sequential(layers, x, segments=2, policy="nothing-saveable")  # noqa: E731
     out = torch.compile(run, backend=graphs)(x)
     assert_close_all(torch.autograd.grad(out.square().sum(), list(layers.parameters())), expected)
+    assert graphs.count(graphs.dynamo, "tag_activation_checkpoint") == 2
+
+
+def test_names_inside_a_lowered_region_are_inert() -> None:
+    # A dots policy ignores names; `checkpoint_name` must not break the graph.
+    def named(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        h = remat.checkpoint_name(torch.tanh(x @ w1), "hidden")
+        return torch.sin(h @ w2) + x
+
+    expected = compiled_grads(model(block), "eager")
+    graphs = Graphs()
+    actual = compiled_grads(model(remat.remat(named, policy="dots-saveable")), graphs)
+    assert_close_all(actual, expected)
     assert graphs.count(graphs.dynamo, "tag_activation_checkpoint") == 2
 
 
