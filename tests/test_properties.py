@@ -150,3 +150,45 @@ def test_random_programs_double_backward(steps: list[str], policy: str) -> None:
         return torch.autograd.grad(total, (x, w), allow_unused=True)
 
     assert_close_all(second(remat.remat(body, policy=policy)), second(body))
+
+
+#: Policies that lower under torch.compile, and two that stay graph breaks.
+COMPILED_POLICIES = [
+    "nothing-saveable",
+    "dots-saveable",
+    "dots-no-batch-saveable",
+    "everything-saveable",
+    "nothing-saveable+dots-saveable",
+    "save:a",
+    "save-last",
+]
+
+
+@settings(deadline=None, max_examples=10)
+@given(
+    steps=programs,
+    policy=st.sampled_from(COMPILED_POLICIES),
+    backend=st.sampled_from(["aot_eager", "eager"]),
+    blocks=st.integers(1, 2),
+)
+def test_random_programs_under_torch_compile(
+    steps: list[str], policy: str, backend: str, blocks: int
+) -> None:
+    body = _program(steps)
+    block = remat.remat(body, policy=policy)
+    x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def compiled(f: Callable[..., torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+        def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            h = x
+            for _ in range(blocks):
+                h = f(h, w)
+            return (h * h).sum()
+
+        torch._dynamo.reset()
+        torch.manual_seed(0)  # the same dropout masks in both programs
+        out = torch.compile(loss, backend=backend)(x, w)
+        return torch.autograd.grad(out, (x, w), allow_unused=True)
+
+    assert_close_all(compiled(block), compiled(body))
