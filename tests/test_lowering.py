@@ -235,6 +235,21 @@ def test_sequential_segments_lower() -> None:
     out = torch.compile(run, backend=graphs)(x)
     assert_close_all(torch.autograd.grad(out.square().sum(), list(layers.parameters())), expected)
     assert graphs.count(graphs.dynamo, "tag_activation_checkpoint") == 2
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported):  # building regions is a graph break
+        torch.compile(run, backend="aot_eager", fullgraph=True)(x)
+
+
+def test_a_lowered_region_inside_your_own_checkpoint() -> None:
+    # remat's count of lowered regions is a side effect torch's checkpoint
+    # refuses inside its body: Dynamo runs that checkpoint eagerly. Values hold.
+    region = remat.remat(block, policy="dots-saveable")
+
+    def outer(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(region, x, w1, w2, use_reentrant=False)
+
+    expected = compiled_grads(model(block), "eager", fullgraph=False)
+    assert_close_all(compiled_grads(model(outer), "aot_eager", fullgraph=False), expected)
 
 
 def test_names_inside_a_lowered_region_are_inert() -> None:
