@@ -14,7 +14,7 @@ from . import policies
 from ._compile import uncompiled
 from ._engines.hooks import run_eager
 from ._errors import RematError
-from ._lowering import contexts_for, in_lowered_region, lowers, run_lowered
+from ._lowering import contexts_for, lowers, run_lowered
 from ._offload import HostStore
 from ._pytree import tensor_leaves
 from ._region import Region, describe_callable
@@ -202,7 +202,7 @@ def call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     Traced by ``torch.compile``, the call is lowered into the compiled graph
     when it can be (``_lowering.py``) and is a graph break otherwise.
     """
-    if torch.compiler.is_compiling() and (in_lowered_region() or lowers(region)):
+    if lowers(region):
         eager = functools.partial(uncompiled, _call_region, region)
         return run_lowered(region, region.fn, args, kwargs, eager)
     return uncompiled(_call_region, region, args, kwargs)

@@ -71,7 +71,7 @@ from ._region import Region
 from ._replay import _draws_random, _traits
 from ._rng import RngState
 
-__all__ = ["contexts_for", "in_lowered_region", "lowers", "run_lowered"]
+__all__ = ["contexts_for", "lowers", "run_lowered"]
 
 #: Lowered regions being traced around this call (NOTE rule 5). A list, not a
 #: thread-local: Dynamo tracks mutations of module-level lists while tracing.
@@ -88,18 +88,18 @@ def _lowerable(policy: Policy) -> bool:
 
 
 def lowers(region: Region) -> bool:
-    """Whether a call of ``region`` that Dynamo traces becomes a checkpoint (NOTE rule 1)."""
+    """Whether this call of ``region`` is lowered: Dynamo traces it, and it can be
+    (NOTE rule 1), or it runs inside a lowered region (rule 5)."""
+    if not torch.compiler.is_compiling():
+        return False
+    if _depth[0]:
+        return True
     return (
         region.selective is not None
         and region.engine == "auto"
         # Not `peek_interpreter_stack()`: Dynamo always sees an interpreter there.
         and torch._C._functorch.maybe_current_level() is None
     )
-
-
-def in_lowered_region() -> bool:
-    """Whether Dynamo is tracing the body of a lowered region (NOTE rule 5)."""
-    return _depth[0] > 0
 
 
 #: How to run a region call in remat's eager engine: ``eager(args, kwargs)``.

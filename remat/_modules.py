@@ -40,7 +40,7 @@ from torch import nn
 from . import policies
 from ._api import call_region, make_region, remat
 from ._compile import uncompiled
-from ._lowering import in_lowered_region, lowers, run_lowered
+from ._lowering import lowers, run_lowered
 from ._module_state import StateGuard
 from .policies import PolicyLike
 
@@ -125,7 +125,7 @@ class _RematForward:
         return self.region.policy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() and (in_lowered_region() or lowers(self.region)):
+        if lowers(self.region):
             module = self.module_ref()
             assert module is not None, "this is a bug in remat, please report it"
             # Not a `_Forward`: Dynamo traces neither its bound method nor its guard,
