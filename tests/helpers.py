@@ -127,6 +127,27 @@ def load_script(folder: str, name: str) -> ModuleType:
     return module
 
 
+def two_blocks(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Two calls of a block ``f(x, w1, w2)`` with other code before, between and after.
+
+    For ``torch.compile`` tests: takes ``x`` and four weights (`compile_inputs`).
+    """
+
+    def run(x: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
+        h = f(x.cos(), ws[0], ws[1])
+        return f(h * 2, ws[2], ws[3]).exp().sum()
+
+    return run
+
+
+def compile_inputs() -> list[torch.Tensor]:
+    """``x`` (6, 4) and four (4, 4) weights, all requiring grad, seeded."""
+    torch.manual_seed(0)
+    return [torch.randn(6, 4, requires_grad=True)] + [
+        torch.randn(4, 4, requires_grad=True) for _ in range(4)
+    ]
+
+
 def stack(fn: Callable[..., torch.Tensor], n: int) -> Callable[..., torch.Tensor]:
     """``n`` blocks ``fn(x, w1, w2)`` in sequence, taking ``x, *ws`` (two weights a block)."""
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import assert_close_all, grads
+from helpers import assert_close_all, compile_inputs, grads, two_blocks
 
 import remat
 
@@ -27,33 +27,18 @@ def block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     return torch.sin(h @ w2) + x
 
 
-def make_inputs() -> list[torch.Tensor]:
-    torch.manual_seed(0)
-    return [torch.randn(6, 4, requires_grad=True)] + [
-        torch.randn(4, 4, requires_grad=True) for _ in range(4)
-    ]
-
-
-def model(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    def run(x: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
-        h = f(x.cos(), ws[0], ws[1])  # compiled code before, between and after regions
-        return f(h * 2, ws[2], ws[3]).exp().sum()
-
-    return run
-
-
 @pytest.mark.parametrize("policy", ["save:hidden", "save-last", "offload-dots"])
 def test_compiled_gradients_match_eager(policy: str) -> None:
     torch._dynamo.reset()
-    inputs = make_inputs()
-    expected = grads(model(block), inputs)
+    inputs = compile_inputs()
+    expected = grads(two_blocks(block), inputs)
     runs: list[bool] = []
 
     def counted(*args: torch.Tensor) -> torch.Tensor:
         runs.append(remat.is_recomputing())
         return block(*args)
 
-    rematerialized = model(remat.remat(counted, policy=policy))
+    rematerialized = two_blocks(remat.remat(counted, policy=policy))
     torch.autograd.grad(rematerialized(*inputs), inputs)
     eager_runs = list(runs)
     assert eager_runs.count(False) == 2

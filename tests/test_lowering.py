@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_close_all
+from helpers import assert_close_all, compile_inputs, two_blocks
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
@@ -34,21 +34,6 @@ def block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
 def random_block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     h = torch.nn.functional.dropout(torch.tanh(x @ w1), 0.3, training=True)
     return torch.sin(h @ w2) + x
-
-
-def model(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    def run(x: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
-        h = f(x.cos(), ws[0], ws[1])  # compiled code before, between and after regions
-        return f(h * 2, ws[2], ws[3]).exp().sum()
-
-    return run
-
-
-def make_inputs() -> list[torch.Tensor]:
-    torch.manual_seed(0)
-    return [torch.randn(6, 4, requires_grad=True)] + [
-        torch.randn(4, 4, requires_grad=True) for _ in range(4)
-    ]
 
 
 class Graphs:
@@ -82,7 +67,7 @@ def compiled_grads(
     fn: Callable[..., torch.Tensor], backend: Any, seed: int = 1, fullgraph: bool = True
 ) -> tuple[torch.Tensor, ...]:
     torch._dynamo.reset()
-    inputs = make_inputs()
+    inputs = compile_inputs()
     torch.manual_seed(seed)
     compiled = torch.compile(fn, backend=backend, fullgraph=fullgraph)
     return torch.autograd.grad(compiled(*inputs), inputs)
@@ -105,11 +90,11 @@ LOWERED = [
 def test_lowered_regions_compile_whole_and_recompute_what_the_policy_drops(
     policy: Any, recomputed: int
 ) -> None:
-    expected = compiled_grads(model(block), "eager")
+    expected = compiled_grads(two_blocks(block), "eager")
     plain = Graphs()
-    compiled_grads(model(block), plain)
+    compiled_grads(two_blocks(block), plain)
     graphs = Graphs()
-    rematerialized = model(remat.remat(block, policy=policy))
+    rematerialized = two_blocks(remat.remat(block, policy=policy))
     actual = compiled_grads(rematerialized, graphs)  # fullgraph: no graph break
     assert_close_all(actual, expected)
     assert len(graphs.dynamo) == 1
@@ -128,9 +113,9 @@ def test_a_region_dynamo_cannot_trace_whole_runs_in_the_eager_engine(policy: str
         runs.append(remat.is_recomputing())
         return random_block(*args)
 
-    expected = compiled_grads(model(random_block), "aot_eager", fullgraph=False)
+    expected = compiled_grads(two_blocks(random_block), "aot_eager", fullgraph=False)
     region = remat.remat(counted, policy=policy)
-    actual = compiled_grads(model(region), "aot_eager", fullgraph=False)
+    actual = compiled_grads(two_blocks(region), "aot_eager", fullgraph=False)
     assert_close_all(actual, expected)
     assert sorted(runs) == [False, False, True, True]
 
@@ -177,7 +162,7 @@ def test_eager_backend_allows_a_second_backward_and_writes_to_kept_outputs() -> 
         h += x  # written in place after the region kept it
         return torch.tanh(h).sum()
 
-    x, w = make_inputs()[1:3]
+    x, w = compile_inputs()[1:3]
     expected = torch.autograd.grad(torch.tanh(x @ w + x).sum(), [x, w])
     torch._dynamo.reset()
     loss = torch.compile(residual, backend="eager", fullgraph=True)(x, w)
@@ -202,8 +187,8 @@ def test_buffer_updates_under_the_eager_backend_raise() -> None:
 def test_dropout_masks_are_replayed(backend: str, policy: str) -> None:
     # backend="eager" runs the checkpoint with preserve_rng_state=False: without
     # remat's own snapshot the recompute draws new masks (wrong by ~300 here).
-    expected = compiled_grads(model(random_block), backend)
-    actual = compiled_grads(model(remat.remat(random_block, policy=policy)), backend)
+    expected = compiled_grads(two_blocks(random_block), backend)
+    actual = compiled_grads(two_blocks(remat.remat(random_block, policy=policy)), backend)
     assert_close_all(actual, expected)
 
 
@@ -248,8 +233,8 @@ def test_a_lowered_region_inside_your_own_checkpoint() -> None:
     def outer(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         return torch.utils.checkpoint.checkpoint(region, x, w1, w2, use_reentrant=False)
 
-    expected = compiled_grads(model(block), "eager", fullgraph=False)
-    assert_close_all(compiled_grads(model(outer), "aot_eager", fullgraph=False), expected)
+    expected = compiled_grads(two_blocks(block), "eager", fullgraph=False)
+    assert_close_all(compiled_grads(two_blocks(outer), "aot_eager", fullgraph=False), expected)
 
 
 def test_names_inside_a_lowered_region_are_inert() -> None:
@@ -258,9 +243,9 @@ def test_names_inside_a_lowered_region_are_inert() -> None:
         h = remat.checkpoint_name(torch.tanh(x @ w1), "hidden")
         return torch.sin(h @ w2) + x
 
-    expected = compiled_grads(model(block), "eager")
+    expected = compiled_grads(two_blocks(block), "eager")
     graphs = Graphs()
-    actual = compiled_grads(model(remat.remat(named, policy="dots-saveable")), graphs)
+    actual = compiled_grads(two_blocks(remat.remat(named, policy="dots-saveable")), graphs)
     assert_close_all(actual, expected)
     assert graphs.count(graphs.dynamo, "tag_activation_checkpoint") == 2
 
@@ -271,7 +256,7 @@ def test_keyword_arguments_reach_the_function() -> None:
     def f(x: torch.Tensor, w: torch.Tensor, debug: float = 1.0) -> torch.Tensor:
         return torch.tanh(x @ w) * debug
 
-    x, w = make_inputs()[:2]
+    x, w = compile_inputs()[:2]
     expected = torch.autograd.grad((torch.tanh(x @ w) * 3.0).sum(), [x, w])
     torch._dynamo.reset()
     compiled = torch.compile(lambda x, w: f(x, w, debug=3.0).sum(), backend="aot_eager",
@@ -285,9 +270,9 @@ def test_inside_a_lowered_region_the_outer_policy_decides(inner: str) -> None:
     # and the outer "nothing-saveable" recomputes the inner dots too.
     inner_region = remat.remat(block, policy=inner)
     outer = remat.remat(lambda x, w1, w2: inner_region(x, w1, w2).cos(), policy="nothing-saveable")
-    expected = compiled_grads(model(lambda *a: block(*a).cos()), "eager")
+    expected = compiled_grads(two_blocks(lambda *a: block(*a).cos()), "eager")
     graphs = Graphs()
-    assert_close_all(compiled_grads(model(outer), graphs), expected)
+    assert_close_all(compiled_grads(two_blocks(outer), graphs), expected)
     checkpoints = graphs.count(graphs.dynamo, "tag_activation_checkpoint")
     assert checkpoints == 2
     assert graphs.count(graphs.backward, MM) == 8 + 4
@@ -296,23 +281,23 @@ def test_inside_a_lowered_region_the_outer_policy_decides(inner: str) -> None:
 @pytest.mark.parametrize("policy", ["save:hidden", "save-last", "offload-dots"])
 def test_other_policies_stay_graph_breaks(policy: str) -> None:
     region = remat.remat(block, policy=policy)
-    compiled = torch.compile(model(region), backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(two_blocks(region), backend="aot_eager", fullgraph=True)
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported):
-        compiled(*make_inputs())
+        compiled(*compile_inputs())
 
 
 def test_explicit_engines_stay_graph_breaks() -> None:
     region = remat.remat(block, policy="dots-saveable", engine="eager")
-    compiled = torch.compile(model(region), backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(two_blocks(region), backend="aot_eager", fullgraph=True)
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported):
-        compiled(*make_inputs())
+        compiled(*compile_inputs())
 
 
 def test_torch_func_under_compile_uses_the_functional_engine() -> None:
     region = remat.remat(block, policy="dots-saveable")
-    x, w1, w2 = make_inputs()[:3]
+    x, w1, w2 = compile_inputs()[:3]
     expected = torch.func.grad(lambda w: block(x, w, w2).sum())(w1)
     torch._dynamo.reset()
     compiled = torch.compile(torch.func.grad(lambda w: region(x, w, w2).sum()),
@@ -327,7 +312,7 @@ def test_memory_budget_with_multi_output_ops() -> None:
         q = (x @ w).unflatten(-1, (2, 2)).transpose(0, 1)
         return torch.nn.functional.scaled_dot_product_attention(q, q, q).sum()
 
-    x, w = make_inputs()[:2]
+    x, w = compile_inputs()[:2]
     expected = torch.autograd.grad(attention(x, w), [x, w])
     region = remat.remat(attention, policy="dots-saveable")
     torch._dynamo.reset()
