@@ -12,9 +12,10 @@ Variants: no remat, ``torch.utils.checkpoint`` per block, torch selective
 checkpointing saving the dots, and the remat policies that lower
 (``docs/compile.md``).
 
-Run: ``python benchmarks/compiled.py`` (``--help`` for sizes and the backend;
-``aot_eager`` by default, ``inductor`` needs a C++ compiler on CPU). Prints a
-Markdown table and returns the results; nothing here asserts on time.
+Run: ``python benchmarks/compiled.py`` (``--help`` for sizes). The backend is
+``aot_eager``: AOTAutograd's graphs, run as traced, so the columns show the
+partitioner's choices, not a code generator's. Prints a Markdown table and
+returns the results; nothing here asserts on time.
 """
 
 from __future__ import annotations
@@ -66,40 +67,29 @@ def saved(forward: torch.fx.GraphModule, user_outputs: int) -> tuple[int, int]:
 
 
 class Capture:
-    """Compile with ``backend`` after AOTAutograd, keeping the forward and backward graphs."""
+    """An ``aot_eager`` backend that keeps the forward and backward graphs it compiles."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self) -> None:
         self.forward: list[torch.fx.GraphModule] = []
         self.backward: list[torch.fx.GraphModule] = []
-        compile_after = _compiler(backend)
 
         def keep(graphs: list[torch.fx.GraphModule]) -> Callable[..., Any]:
             def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
                 graphs.append(gm)
-                return compile_after(gm, example_inputs)
+                return make_boxed_func(gm)  # run as traced
 
             return compiler
 
         self.backend = aot_autograd(fw_compiler=keep(self.forward), bw_compiler=keep(self.backward))
 
 
-def _compiler(backend: str) -> Callable[..., Any]:
-    if backend == "aot_eager":
-        return lambda gm, _: make_boxed_func(gm)
-    if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx_inner
-
-        return compile_fx_inner  # type: ignore[no-any-return]
-    raise SystemExit(f"compiled.py: --backend must be aot_eager or inductor, got {backend!r}")
-
-
-def measure(model: demo.Stack, x: torch.Tensor, backend: str, repeats: int) -> list[dict[str, Any]]:
+def measure(model: demo.Stack, x: torch.Tensor, repeats: int) -> list[dict[str, Any]]:
     """Compile each variant once, then time interleaved repetitions."""
     steps, rows = {}, {}
     torch._dynamo.reset()
     for label, checkpointing in VARIANTS:
         model.loss(x, checkpointing)  # build the variant's wrappers before Dynamo traces
-        capture = Capture(backend)
+        capture = Capture()
         loss = torch.compile(own_code(model, checkpointing), backend=capture.backend, dynamic=False)
         model.zero_grad(set_to_none=True)
         loss(x).backward()
@@ -179,13 +169,12 @@ def main(argv: Sequence[str] | None = None, small: bool = False) -> dict[str, An
         defaults |= {"depth": 2, "width": 16, "heads": 2, "batch": 2, "seq": 8, "repeats": 1}
     for name, default in defaults.items():
         parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--backend", default="aot_eager", help="aot_eager or inductor")
     args = parser.parse_args([] if argv is None and small else argv)
     torch.set_num_threads(1)
     model = demo.Stack(depth=args.depth, width=args.width, heads=args.heads)
     x = demo.make_input(model, batch=args.batch, seq=args.seq)
-    rows = measure(model, x, args.backend, args.repeats)
-    config = {k: getattr(args, k) for k in defaults} | {"backend": args.backend}
+    rows = measure(model, x, args.repeats)
+    config = {k: getattr(args, k) for k in defaults} | {"backend": "aot_eager"}
     print(f"GPT-style stack {config}, float32, torch {torch.__version__}, {sys.platform}")
     print(markdown(rows))
     return {"config": config, "rows": rows}
