@@ -18,6 +18,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 import remat
 from remat import policies
+from remat._demo_model import Stack, make_input
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf"),
@@ -307,15 +308,15 @@ def test_torch_func_under_compile_uses_the_functional_engine() -> None:
 
 def test_memory_budget_with_multi_output_ops() -> None:
     # torch 2.13 crashes on MUST_SAVE of a multi-output op (attention's output
-    # and log-sum-exp) under a memory budget: those are PREFER_SAVE.
-    def attention(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        q = (x @ w).unflatten(-1, (2, 2)).transpose(0, 1)
-        return torch.nn.functional.scaled_dot_product_attention(q, q, q).sum()
-
-    x, w = compile_inputs()[:2]
-    expected = torch.autograd.grad(attention(x, w), [x, w])
-    region = remat.remat(attention, policy="dots-saveable")
+    # and log-sum-exp) under a memory budget: those are PREFER_SAVE. (A lone
+    # attention call does not crash; two GPT blocks do.)
+    model = Stack(depth=2, width=16, heads=2)
+    x = make_input(model, batch=2, seq=8)
+    params = list(model.parameters())
+    expected = torch.autograd.grad(model.loss(x), params)
+    model.loss(x, "dots-saveable")  # build the regions before Dynamo traces
     torch._dynamo.reset()
     with torch._functorch.config.patch(activation_memory_budget=0.5):
-        compiled = torch.compile(region, backend="aot_eager", fullgraph=True)
-        assert_close_all(torch.autograd.grad(compiled(x, w), [x, w]), expected)
+        compiled = torch.compile(lambda x: model.loss(x, "dots-saveable"), backend="aot_eager",
+                                 fullgraph=True)
+        assert_close_all(torch.autograd.grad(compiled(x), params), expected)
