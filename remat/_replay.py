@@ -36,10 +36,11 @@ NOTE [ Record and replay ]
    compute garbage. That flag skips only the comparison of Python numbers.
 7. FSDP2 (``fully_shard``) gathers a unit's parameters in its forward pre-hook
    with ``fsdp::`` ops, and in backward only if they were resharded since: a
-   region that records those ops would replay the gather (or miss it). A
-   ``fsdp::`` op seen by either mode raises, saying to make each unit a region
-   of its own; regions that record no ops (``nothing-saveable``) run FSDP units
-   inside them as plain autograd does.
+   region that records those ops would replay the gather (or miss it). An
+   ``fsdp::`` op recorded in a forward raises, saying to make each unit a
+   region of its own. (FSDP reshards after every backward, so a unit inside a
+   region gathers in every forward.) Regions that record no ops
+   (``nothing-saveable``) run FSDP units inside them as plain autograd does.
 """
 
 from __future__ import annotations
@@ -559,8 +560,6 @@ class ReplayMode(TorchDispatchMode):
         if self._ran is not None:
             self._ran.append(func)
         if rec is None or rec.op != func:
-            if _traits(func).fsdp:
-                raise _fsdp_inside(self.log.label, func)
             if self.check or rec is not None:  # rule 6: a misplaced replay is garbage
                 raise self.mismatch(index, func)
         elif self.check:
