@@ -61,3 +61,16 @@ def test_unknown_selective_policy_is_rejected() -> None:
 def test_block_rejects_width_not_divisible_by_heads() -> None:
     with pytest.raises(ValueError, match="not a multiple of heads"):
         demo.Block(10, 4)
+
+
+def test_demo_prints_no_warning_in_a_fresh_process() -> None:
+    # A fresh venv without numpy made torch warn "Failed to initialize NumPy" here.
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "remat", *TINY], capture_output=True, text=True, timeout=300,
+        check=True,
+    )
+    assert done.stderr == ""
+    assert "grads match" in done.stdout
