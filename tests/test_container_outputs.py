@@ -9,6 +9,7 @@ suggests makes it work.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -249,3 +250,67 @@ def test_output_holding_a_module_is_not_an_error(engine: Any) -> None:
     torch.testing.assert_close(
         engine.grads(lambda x, w: region(x, w)[0].pow(2).sum(), x, w), expected
     )
+
+
+# -- Hugging Face: ModelOutput is an OrderedDict subclass and a dataclass ------------------
+
+
+@pytest.mark.parametrize("policy", ("nothing-saveable", "dots-saveable", "save:hidden"))
+def test_model_output(engine: Any, policy: str) -> None:
+    pytest.importorskip("transformers")
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> Any:
+        h, o = _body(x, w)
+        return BaseModelOutputWithPast(last_hidden_state=o, hidden_states=(x, h))
+
+    def loss_of(out: Any) -> torch.Tensor:
+        assert type(out) is BaseModelOutputWithPast and out.past_key_values is None
+        assert list(out.keys()) == ["last_hidden_state", "hidden_states"]
+        hidden = out["hidden_states"][1]
+        assert hidden is out.hidden_states[1]  # item and attribute stay one tensor
+        return out.last_hidden_state.pow(2).sum() + hidden.sin().sum()
+
+    region = engine.remat(block, policy=policy)
+    x, w = _inputs()
+    expected = engine.grads(lambda x, w: loss_of(block(x, w)), x, w)
+    torch.testing.assert_close(engine.grads(lambda x, w: loss_of(region(x, w)), x, w), expected)
+
+
+def _tiny_gpt2() -> Any:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+        attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0,
+    )
+    return transformers.GPT2Model(cfg).eval()
+
+
+@pytest.mark.parametrize("policy", ("nothing-saveable", "dots-saveable"))
+@pytest.mark.parametrize("how", ["wrap", "apply"])
+def test_gpt2_under_torch_func_grad(how: str, policy: str) -> None:
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    base = _tiny_gpt2()
+    model = copy.deepcopy(base)
+    if how == "wrap":
+        model = remat.wrap(model, policy=policy)
+    else:
+        model = remat.apply(model, policy=policy, where=GPT2Block)
+    ids = torch.randint(0, 64, (2, 8))
+    params = {k: v.detach() for k, v in base.named_parameters()}
+
+    def loss(m: torch.nn.Module) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+        def inner(p: dict[str, torch.Tensor]) -> torch.Tensor:
+            out = torch.func.functional_call(m, p, (ids,), {"use_cache": False})
+            return out.last_hidden_state.pow(2).mean()  # type: ignore[no-any-return]
+
+        return inner
+
+    expected = torch.func.grad(loss(base))(params)
+    actual = torch.func.grad(loss(model))(params)
+    assert set(actual) == set(expected)
+    nonzero = [k for k, g in expected.items() if g.abs().sum() > 0]
+    assert len(nonzero) > len(expected) // 2
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], msg=key)

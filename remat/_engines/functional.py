@@ -2,15 +2,15 @@
 
 Saved-tensor hooks are disabled under ``torch.func.grad``/``vjp``, so when any
 functorch transform is active a region runs through `_RematFunction`, an
-`autograd.Function` with ``setup_context``, ``generate_vmap_rule = True``, a
+`autograd.Function` with ``setup_context``, its own ``vmap`` rule, a
 ``backward`` that recomputes ``fn`` with ``torch.func.vjp`` and a ``jvp`` that
 recomputes it with ``torch.func.jvp``.
 
 NOTE [ The functional engine ]
 1. Levels. functorch calls the Function once per active transform level, from
    the innermost out; each level unwraps the inputs and lowers, so `forward`
-   runs once, at the bottom, on plain tensors (under a generated vmap rule, on
-   batched tensors of fresh vmap levels). It runs ``fn`` under `RecordMode` when
+   runs once, at the bottom, on plain tensors (under a vmap level, rule 10, it
+   runs ``vmap(fn)`` on the physical batched tensors). It runs ``fn`` under `RecordMode` when
    the policy looks at ops, keeping the outputs it decides to save. `backward`
    is called by the level being differentiated, with the inputs that level saw.
 2. Closed-over tensors (NOTE [ Closed-over tensors ] in ``_closure.py``) become
@@ -76,6 +76,23 @@ NOTE [ The functional engine ]
    ``jacfwd(jacfwd)``) the Function would return zero tangents of tangents. A
    region called there runs ``fn`` itself; forward mode saves nothing for a
    backward, so only a reverse level around both loses the region's savings.
+10. vmap. torch's generated vmap rule runs the backward under a vmap of its
+   own, where the cotangent of an output that does not depend on the batch is
+   the same for every example: that output's gradient came back multiplied by
+   the batch size. So `_RematFunction.vmap` (`_vmap_rule`) applies the Function
+   once more, below the vmap level, to a twin call (`_Call.batched`) whose
+   function is ``vmap(run)`` of the physical inputs (`_VmapRunner`): outputs not
+   batched inside leave it with out dim ``None``, and the twin's backward (eager,
+   or a reverse level around the vmap) differentiates ``vmap(fn)`` as a whole.
+   A reverse level inside the vmap (``vmap(grad)``) calls the backward of the
+   original call with batched tensors; it replays the twin's records
+   (`_Call.adopt`), which saw the same physical ops.
+11. Containers (NOTE [ Containers remat sees into ] in ``_pytree.py``). Arguments
+   and outputs are flattened by `flatten_region_io` (dataclasses, ``ModelOutput``,
+   dict/list subclasses, types registered with torch's pytree); an output object
+   that still holds a tensor raises `RematError` (its tensor would not be an
+   output of the Function), and so does the eager engine. Argument leaves that
+   are objects are walked for tensors like objects ``fn`` reaches (rule 2).
 """
 
 from __future__ import annotations
