@@ -314,3 +314,26 @@ def test_gpt2_under_torch_func_grad(how: str, policy: str) -> None:
     assert len(nonzero) > len(expected) // 2
     for key in expected:
         torch.testing.assert_close(actual[key], expected[key], msg=key)
+
+
+def test_opaque_output_of_a_nested_region_raises(engine: Any) -> None:
+    # The inner region runs inside the outer one's forward: both engines still check it.
+    class Local(Opaque):
+        pass
+
+    def inner(x: torch.Tensor, w: torch.Tensor) -> Local:
+        return Local(*_body(x, w))
+
+    inner_region = engine.remat(inner)
+    outer = engine.remat(lambda x, w: inner_region(x, w).out.sum())
+    x, w = _inputs()
+    with pytest.raises(remat.RematError, match=r"inner \(.*test_container_outputs.py"):
+        engine.grads(outer, x, w)
+    optree.register_pytree_node(
+        Local,
+        lambda o: ((o.hidden, o.out), None),
+        lambda _, children: Local(*children),
+        namespace="remat",
+    )
+    expected = engine.grads(lambda x, w: inner(x, w).out.sum(), x, w)
+    torch.testing.assert_close(engine.grads(outer, x, w), expected)

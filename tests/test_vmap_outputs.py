@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import OpCounter
-from torch.func import grad, jacrev, vmap
+from torch.func import grad, hessian, jacfwd, jacrev, vmap
 
 import remat
 
@@ -49,11 +49,14 @@ IN_DIMS: dict[str, tuple[int | None, int | None]] = {
     "x0": (0, None),
     "x1": (1, None),
     "x0_w0": (0, 0),
+    "w0": (None, 0),
 }
 
 
 def _inputs(in_dims: tuple[int | None, int | None]) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(5, 2, 3, dtype=torch.float64)  # batch 5 of (2, 3)
+    if in_dims[0] is None:
+        x = x[0]
     if in_dims[0] == 1:
         x = x.transpose(0, 1).contiguous()
     w = torch.randn(3, 3, dtype=torch.float64)
@@ -119,11 +122,12 @@ def test_jacrev_of_vmap(name: str, policy: str) -> None:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("dims", list(IN_DIMS))
 @pytest.mark.parametrize("name", list(FUNCTIONS))
-def test_vmap_of_grad(name: str, policy: str) -> None:
-    fn = FUNCTIONS[name]
+def test_vmap_of_grad(name: str, dims: str, policy: str) -> None:
+    fn, in_dims = FUNCTIONS[name], IN_DIMS[dims]
     region = remat.remat(fn, policy=policy)
-    x, w = _inputs((0, None))
+    x, w = _inputs(in_dims)
 
     def per_example(f: Callable[..., Outputs]) -> Callable[..., torch.Tensor]:
         def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -132,8 +136,8 @@ def test_vmap_of_grad(name: str, policy: str) -> None:
 
         return loss
 
-    expected = vmap(grad(per_example(fn), argnums=(0, 1)), in_dims=(0, None))(x, w)
-    actual = vmap(grad(per_example(region), argnums=(0, 1)), in_dims=(0, None))(x, w)
+    expected = vmap(grad(per_example(fn), argnums=(0, 1)), in_dims=in_dims)(x, w)
+    actual = vmap(grad(per_example(region), argnums=(0, 1)), in_dims=in_dims)(x, w)
     torch.testing.assert_close(actual, expected)
 
 
@@ -180,3 +184,46 @@ def test_dots_saveable_replays_matmuls_under_vmap(transform: str) -> None:
     forward_only = 2  # x @ w and h @ w
     assert run(remat.remat(mixed, policy="dots-saveable")) == reference
     assert run(remat.remat(mixed, policy="nothing-saveable")) == reference + forward_only
+
+
+@pytest.mark.parametrize("policy", ("nothing-saveable", "dots-saveable"))
+@pytest.mark.parametrize(
+    "transform", ["jacfwd_of_vmap", "hessian_of_vmap", "grad_of_vmap_of_vmap", "vmap_grad_vmap"]
+)
+def test_other_compositions(transform: str, policy: str) -> None:
+    region = remat.remat(mixed, policy=policy)
+    x, w = _inputs((0, None))
+    xx = torch.randn(4, 5, 2, 3, dtype=torch.float64)
+
+    def run(f: Callable[..., Outputs]) -> Any:
+        inner = vmap(f, in_dims=(0, None))
+        if transform == "jacfwd_of_vmap":
+            flat = lambda x, w: torch.cat([o.reshape(-1) for o in inner(x, w)])  # noqa: E731
+            return jacfwd(flat, argnums=1)(x, w)
+        if transform == "hessian_of_vmap":
+            return hessian(_loss(f, (0, None)), argnums=1)(x, w)
+        twice = vmap(inner, in_dims=(0, None))
+        if transform == "grad_of_vmap_of_vmap":
+            loss = lambda x, w: sum(o.pow(2).sum() for o in twice(x, w))  # noqa: E731
+            return grad(loss, argnums=(0, 1))(xx, w)
+        loss = lambda x, w: sum(o.pow(2).sum() for o in inner(x, w))  # noqa: E731
+        return vmap(grad(loss, argnums=(0, 1)), in_dims=(0, None))(xx, w)
+
+    torch.testing.assert_close(run(region), run(mixed))
+
+
+def _dropout(x: torch.Tensor, w: torch.Tensor) -> Outputs:
+    return torch.nn.functional.dropout(torch.tanh(x @ w), 0.5), (w**2).sum()
+
+
+@pytest.mark.parametrize("policy", ("nothing-saveable", "dots-saveable"))
+def test_dropout_under_grad_of_vmap_replays_masks(policy: str) -> None:
+    x, w = _inputs((0, None))
+
+    def run(f: Callable[..., Outputs]) -> tuple[torch.Tensor, ...]:
+        torch.manual_seed(1)
+        batched = vmap(f, in_dims=(0, None), randomness="different")
+        loss = lambda x, w: sum(o.pow(2).sum() for o in batched(x, w))  # noqa: E731
+        return grad(loss, argnums=(0, 1))(x, w)  # type: ignore[no-any-return]
+
+    torch.testing.assert_close(run(remat.remat(_dropout, policy=policy)), run(_dropout))

@@ -85,8 +85,10 @@ NOTE [ The functional engine ]
    batched inside leave it with out dim ``None``, and the twin's backward (eager,
    or a reverse level around the vmap) differentiates ``vmap(fn)`` as a whole.
    A reverse level inside the vmap (``vmap(grad)``) calls the backward of the
-   original call with batched tensors; it replays the twin's records
-   (`_Call.adopt`), which saw the same physical ops.
+   original call with batched tensors; for it the twin's forward runs
+   ``vmap(vjp(fn))`` (`_Call.reversed_inside_vmap`), the order that backward
+   sees, so it sees the same physical ops, and the original call replays the
+   twin's records (`_Call.adopt`).
 11. Containers (NOTE [ Containers remat sees into ] in ``_pytree.py``). Arguments
    and outputs are flattened by `flatten_region_io` (dataclasses, ``ModelOutput``,
    dict/list subclasses, types registered with torch's pytree); an output object
@@ -126,6 +128,7 @@ __all__ = ["run_functional"]
 _functorch = torch._C._functorch
 _GRAD = torch._C._functorch.TransformType.Grad
 _JVP = torch._C._functorch.TransformType.Jvp
+_VMAP = torch._C._functorch.TransformType.Vmap
 
 
 def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -213,6 +216,8 @@ class _Call:
         )
         #: Inputs the backward will differentiate (NOTE rule 7).
         self.differentiated = [i for i, t in enumerate(self.inputs) if _tracked(t)]
+        #: Whether a backward will come (of this call, or of the call a vmap twin is for).
+        self.differentiable = bool(self.differentiated)
         self.out_treedef: Any = None
         self.out_leaves: list[Any] = []
         self.out_positions: list[int] = []
@@ -220,6 +225,8 @@ class _Call:
         #: Levels live where the region was called: a wrapper at one of them that
         #: ``fn`` uses inside the forward must be an input (NOTE rule 2).
         self.outer_levels = {i.level() for i in retrieve_all_functorch_interpreters()}
+        #: The transforms live at the call, (kind, level), for the vmap rule (rule 10).
+        self.transforms = [(i.key(), i.level()) for i in retrieve_all_functorch_interpreters()]
         self.guard: _HiddenInputGuard | None = None
         self.rng: RngState | None = None
         #: The generators' states when the forward ended, and its vmap levels.
@@ -338,10 +345,20 @@ class _Call:
     def batched(self, tensors: Sequence[torch.Tensor], runner: _VmapRunner) -> _Call:
         """This call over a vmap batch: ``runner`` (``vmap(fn)``) of the physical inputs."""
         twin = _Call(self.region, runner, tuple(tensors), {}, bindings=Bindings())
-        # A backward of a reverse level inside the vmap differentiates this
-        # call's inputs: the forward runs under vjp w.r.t. the same ones (rule 7).
-        twin.differentiated = sorted(set(twin.differentiated) | set(self.differentiated))
+        twin.differentiable = twin.differentiable or self.differentiable
         return twin
+
+    def reversed_inside_vmap(self) -> bool:
+        """Whether a reverse level above this call's innermost vmap will call its backward.
+
+        That backward (``vmap(grad)``) runs under the vmap with the grad level
+        inside it, so the twin's forward runs ``vmap(vjp(fn))`` to see the same
+        physical ops (rule 7), not ``vjp(vmap(fn))``.
+        """
+        vmaps = [level for kind, level in self.transforms if kind == _VMAP]
+        if not vmaps:
+            return False
+        return any(kind == _GRAD and level > max(vmaps) for kind, level in self.transforms)
 
     def adopt(self, twin: _Call) -> None:
         """Take the forward's records from ``twin``: a backward inside the vmap replays them."""
@@ -355,7 +372,7 @@ class _Call:
         log = self.log
         assert log is not None, "this is a bug in remat, please report it"
         if (
-            not self.differentiated  # no backward will come
+            not self.differentiable  # no backward will come
             or is_recomputing()  # needed again at once
             or _forward_ad_active()  # the backward recomputes in full (rule 3)
             or self.region.policy.keeps_last_region
@@ -511,13 +528,15 @@ class _VmapRunner:
         self.batch_size = batch_size
         self.randomness = randomness
         self.out_dims: tuple[int | None, ...] = ()
+        call_inside = call.reversed_inside_vmap()
+        self.run = call.run_as_differentiated if call_inside else call.run
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         flags: list[bool] = []
         unbatched: list[torch.Tensor] = []
 
         def per_example(*example: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            out = self.call.run(example)
+            out = self.run(example)
             level = _functorch.maybe_current_level()
             flags[:] = [_batched_at(t, level) for t in out]
             unbatched[:] = [t for t, b in zip(out, flags, strict=True) if not b]

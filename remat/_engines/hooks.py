@@ -604,7 +604,9 @@ def run_eager(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         return fn(*args, **kwargs)  # inference: nothing will be saved
     top = local.frames[-1] if local.frames else None
     if top is not None and top.phase == "forward":
-        return _run_inside(top, fn, args, kwargs)  # the outer region decides (NOTE rule 4)
+        out = _run_inside(top, fn, args, kwargs)  # the outer region decides (NOTE rule 4)
+        check_outputs_visible(flatten_region_io(out)[0], region.label)
+        return out
     policy = region.policy
     if _keeps_everything(region):
         with _pushed(_KEEP_EVERYTHING):  # autograd as usual; inner regions run plainly
