@@ -31,6 +31,10 @@ NOTE [ Closed-over tensors ]
    nothing swapped in: ``torch.func.functional_call`` puts a module's own
    tensors back before the backward runs, and the recompute must still see the
    ones the forward saw.
+5. Arguments. A region's arguments are flattened as pytrees (NOTE [ Containers
+   remat sees into ] in ``_pytree.py``); an argument leaf that is still an object
+   (a config object, a module passed in) is walked like an object ``fn`` reaches,
+   so its tensors become inputs and are swapped into its attributes.
 """
 
 from __future__ import annotations
@@ -166,10 +170,19 @@ def _describe(t: torch.Tensor) -> str:
     return f"tensor of shape {tuple(t.shape)}, dtype {t.dtype}"
 
 
-def find_closed_over(fn: Callable[..., Any]) -> Bindings:
-    """Walk what ``fn`` reaches (NOTE [ Closed-over tensors ]) and bind its tracked tensors."""
+def find_closed_over(
+    fn: Callable[..., Any], objects: Sequence[tuple[Any, str]] = ()
+) -> Bindings:
+    """Walk what ``fn`` reaches (NOTE [ Closed-over tensors ]) and bind its tracked tensors.
+
+    ``objects`` are (object, where) pairs walked as well, as an object ``fn``
+    reaches would be: the arguments no pytree flattening sees into (rule 5).
+    """
     bindings = Bindings()
-    _Walker(bindings).callable(fn, _name(fn), 0)
+    walker = _Walker(bindings)
+    walker.callable(fn, _name(fn), 0)
+    for obj, where in objects:
+        walker.value_owner(obj, where, 1)
     return bindings
 
 

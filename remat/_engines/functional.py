@@ -2,15 +2,15 @@
 
 Saved-tensor hooks are disabled under ``torch.func.grad``/``vjp``, so when any
 functorch transform is active a region runs through `_RematFunction`, an
-`autograd.Function` with ``setup_context``, ``generate_vmap_rule = True``, a
+`autograd.Function` with ``setup_context``, its own ``vmap`` rule, a
 ``backward`` that recomputes ``fn`` with ``torch.func.vjp`` and a ``jvp`` that
 recomputes it with ``torch.func.jvp``.
 
 NOTE [ The functional engine ]
 1. Levels. functorch calls the Function once per active transform level, from
    the innermost out; each level unwraps the inputs and lowers, so `forward`
-   runs once, at the bottom, on plain tensors (under a generated vmap rule, on
-   batched tensors of fresh vmap levels). It runs ``fn`` under `RecordMode` when
+   runs once, at the bottom, on plain tensors (under a vmap level, rule 10, it
+   runs ``vmap(fn)`` on the physical batched tensors). It runs ``fn`` under `RecordMode` when
    the policy looks at ops, keeping the outputs it decides to save. `backward`
    is called by the level being differentiated, with the inputs that level saw.
 2. Closed-over tensors (NOTE [ Closed-over tensors ] in ``_closure.py``) become
@@ -76,6 +76,25 @@ NOTE [ The functional engine ]
    ``jacfwd(jacfwd)``) the Function would return zero tangents of tangents. A
    region called there runs ``fn`` itself; forward mode saves nothing for a
    backward, so only a reverse level around both loses the region's savings.
+10. vmap. torch's generated vmap rule runs the backward under a vmap of its
+   own, where the cotangent of an output that does not depend on the batch is
+   the same for every example: that output's gradient came back multiplied by
+   the batch size. So `_RematFunction.vmap` (`_vmap_rule`) applies the Function
+   once more, below the vmap level, to a twin call (`_Call.batched`) whose
+   function is ``vmap(run)`` of the physical inputs (`_VmapRunner`): outputs not
+   batched inside leave it with out dim ``None``, and the twin's backward (eager,
+   or a reverse level around the vmap) differentiates ``vmap(fn)`` as a whole.
+   A reverse level inside the vmap (``vmap(grad)``) calls the backward of the
+   original call with batched tensors; for it the twin's forward runs
+   ``vmap(vjp(fn))`` (`_Call.reversed_inside_vmap`), the order that backward
+   sees, so it sees the same physical ops, and the original call replays the
+   twin's records (`_Call.adopt`).
+11. Containers (NOTE [ Containers remat sees into ] in ``_pytree.py``). Arguments
+   and outputs are flattened by `flatten_region_io` (dataclasses, ``ModelOutput``,
+   dict/list subclasses, types registered with torch's pytree); an output object
+   that still holds a tensor raises `RematError` (its tensor would not be an
+   output of the Function), and so does the eager engine. Argument leaves that
+   are objects are walked for tensors like objects ``fn`` reaches (rule 2).
 """
 
 from __future__ import annotations
@@ -97,6 +116,7 @@ from .._closure import Bindings, find_closed_over
 from .._compile import uncompiled
 from .._errors import RematError
 from .._offload import Offloaded, current_store, next_serial, offload, placeholder_for
+from .._pytree import check_outputs_visible, flatten_region_io
 from .._region import Region
 from .._replay import OpLog, OpRecord, RecordMode, ReplayMode, physical, storage_address
 from .._rng import RngState, check_batched_recompute, vmap_levels
@@ -108,6 +128,7 @@ __all__ = ["run_functional"]
 _functorch = torch._C._functorch
 _GRAD = torch._C._functorch.TransformType.Grad
 _JVP = torch._C._functorch.TransformType.Jvp
+_VMAP = torch._C._functorch.TransformType.Vmap
 
 
 def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -140,6 +161,18 @@ def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
     return call.unflatten_output(flat_out)
 
 
+def _argument_objects(leaves: Sequence[Any], label: str) -> list[tuple[Any, str]]:
+    """Argument leaves that are objects no flattening sees into (NOTE rule 2)."""
+    return [
+        (leaf, f"argument object {type(leaf).__qualname__} of {label}")
+        for leaf in leaves
+        if not isinstance(leaf, (torch.Tensor, *_PLAIN_VALUES))
+    ]
+
+
+_PLAIN_VALUES = (str, bytes, int, float, complex, bool, torch.dtype, torch.device)
+
+
 def _unpartial(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
@@ -160,22 +193,31 @@ class _Call:
     """Everything about one call that is not a tensor input of the Function."""
 
     def __init__(
-        self, region: Region, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        region: Region,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        bindings: Bindings | None = None,
     ) -> None:
         self.region = region
         self.fn = fn
         tree: Any = (args, kwargs)
         leaves: list[Any]
-        leaves, self.treedef = optree.tree_flatten(tree, none_is_leaf=False)
+        leaves, self.treedef = flatten_region_io(tree)
         self.leaves = leaves
         self.tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        self.bindings: Bindings = find_closed_over(fn)
+        if bindings is None:
+            bindings = find_closed_over(fn, _argument_objects(leaves, region.label))
+        self.bindings: Bindings = bindings
         self.inputs: tuple[torch.Tensor, ...] = (
             *(leaves[i] for i in self.tensor_positions),
             *self.bindings.tensors,
         )
         #: Inputs the backward will differentiate (NOTE rule 7).
         self.differentiated = [i for i, t in enumerate(self.inputs) if _tracked(t)]
+        #: Whether a backward will come (of this call, or of the call a vmap twin is for).
+        self.differentiable = bool(self.differentiated)
         self.out_treedef: Any = None
         self.out_leaves: list[Any] = []
         self.out_positions: list[int] = []
@@ -183,6 +225,8 @@ class _Call:
         #: Levels live where the region was called: a wrapper at one of them that
         #: ``fn`` uses inside the forward must be an input (NOTE rule 2).
         self.outer_levels = {i.level() for i in retrieve_all_functorch_interpreters()}
+        #: The transforms live at the call, (kind, level), for the vmap rule (rule 10).
+        self.transforms = [(i.key(), i.level()) for i in retrieve_all_functorch_interpreters()]
         self.guard: _HiddenInputGuard | None = None
         self.rng: RngState | None = None
         #: The generators' states when the forward ended, and its vmap levels.
@@ -201,9 +245,10 @@ class _Call:
         args, kwargs = optree.tree_unflatten(self.treedef, leaves)
         with self.bindings.swapped(tensors[count:]):
             out = self.fn(*args, **kwargs)
-        out_leaves, out_treedef = optree.tree_flatten(out, none_is_leaf=False)
+        out_leaves, out_treedef = flatten_region_io(out)
         positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
         if self.out_treedef is None:
+            check_outputs_visible(out_leaves, self.region.label)
             # Keep the structure and dtypes only: an output of the recorded forward
             # is a wrapper of its inner ``vjp`` level, whose graph would keep every
             # activation of the region alive as long as this call lives.
@@ -295,6 +340,31 @@ class _Call:
         given = {id(t) for t in tensors}
         return tuple(t.view_as(t) if id(t) in given else t for t in out)
 
+    # -- vmap (NOTE rule 10) ---------------------------------------------------
+
+    def batched(self, tensors: Sequence[torch.Tensor], runner: _VmapRunner) -> _Call:
+        """This call over a vmap batch: ``runner`` (``vmap(fn)``) of the physical inputs."""
+        twin = _Call(self.region, runner, tuple(tensors), {}, bindings=Bindings())
+        twin.differentiable = twin.differentiable or self.differentiable
+        return twin
+
+    def reversed_inside_vmap(self) -> bool:
+        """Whether a reverse level above this call's innermost vmap will call its backward.
+
+        That backward (``vmap(grad)``) runs under the vmap with the grad level
+        inside it, so the twin's forward runs ``vmap(vjp(fn))`` to see the same
+        physical ops (rule 7), not ``vjp(vmap(fn))``.
+        """
+        vmaps = [level for kind, level in self.transforms if kind == _VMAP]
+        if not vmaps:
+            return False
+        return any(kind == _GRAD and level > max(vmaps) for kind, level in self.transforms)
+
+    def adopt(self, twin: _Call) -> None:
+        """Take the forward's records from ``twin``: a backward inside the vmap replays them."""
+        self.log, self.rng, self.rng_after = twin.log, twin.rng, twin.rng_after
+        self.offloaded = twin.offloaded
+
     # -- offload (NOTE rule 8) -------------------------------------------------
 
     def offload_kept(self, tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:
@@ -302,7 +372,7 @@ class _Call:
         log = self.log
         assert log is not None, "this is a bug in remat, please report it"
         if (
-            not self.differentiated  # no backward will come
+            not self.differentiable  # no backward will come
             or is_recomputing()  # needed again at once
             or _forward_ad_active()  # the backward recomputes in full (rule 3)
             or self.region.policy.keeps_last_region
@@ -372,11 +442,15 @@ class _Call:
 
 
 class _RematFunction(torch.autograd.Function):
-    generate_vmap_rule = True
-
     @staticmethod
     def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return uncompiled(call.forward, tensors)
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[int | None, ...], call: _Call, *tensors: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[int | None, ...]]:
+        return uncompiled(_vmap_rule, info, in_dims[1:], call, tensors)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -424,6 +498,62 @@ def _backward(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.T
     for i, g in zip(wanted, found, strict=True):
         result[i] = g
     return (None, *result)
+
+
+def _vmap_rule(
+    info: Any, dims: tuple[int | None, ...], call: _Call, tensors: tuple[torch.Tensor, ...]
+) -> tuple[tuple[torch.Tensor, ...], tuple[int | None, ...]]:
+    """`_RematFunction.vmap`: the region over the batch, as one call of ``vmap(fn)`` (rule 10)."""
+    runner = _VmapRunner(call, dims, info.batch_size, info.randomness)
+    twin = call.batched(tensors, runner)
+    out: tuple[torch.Tensor, ...] = _RematFunction.apply(twin, *twin.inputs)  # type: ignore[no-untyped-call]
+    call.adopt(twin)
+    return out, runner.out_dims
+
+
+class _VmapRunner:
+    """``vmap`` of one call's ``run``; outputs that do not depend on the batch stay unbatched.
+
+    ``torch.func.vmap`` needs its ``out_dims`` before the function runs, so the
+    outputs not batched at its level leave it beside its return value, as they
+    are (they belong to the levels below, which are still live), with out dim
+    ``None``: no expanded copy, and no gradient summed over the batch.
+    """
+
+    def __init__(
+        self, call: _Call, dims: Sequence[int | None], batch_size: int, randomness: str
+    ) -> None:
+        self.call = call
+        self.dims = tuple(dims)
+        self.batch_size = batch_size
+        self.randomness = randomness
+        self.out_dims: tuple[int | None, ...] = ()
+        call_inside = call.reversed_inside_vmap()
+        self.run = call.run_as_differentiated if call_inside else call.run
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        flags: list[bool] = []
+        unbatched: list[torch.Tensor] = []
+
+        def per_example(*example: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            out = self.run(example)
+            level = _functorch.maybe_current_level()
+            flags[:] = [_batched_at(t, level) for t in out]
+            unbatched[:] = [t for t, b in zip(out, flags, strict=True) if not b]
+            return tuple(t for t, b in zip(out, flags, strict=True) if b)
+
+        batched = iter(
+            torch.func.vmap(per_example, in_dims=self.dims, out_dims=0, randomness=self.randomness)(
+                *tensors
+            )
+        )
+        rest = iter(unbatched)
+        self.out_dims = tuple(0 if b else None for b in flags)
+        return tuple(next(batched) if b else next(rest) for b in flags)
+
+
+def _batched_at(t: torch.Tensor, level: int | None) -> bool:
+    return bool(_functorch.is_batchedtensor(t)) and _functorch.maybe_get_level(t) == level
 
 
 def _jvp(ctx: Any, tangents: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
@@ -599,10 +729,13 @@ class _HiddenInputGuard(TorchFunctionMode):
             f"remat: {self.call.region.label} uses a tensor that is neither an argument "
             f"nor found among the tensors it closes over (shape {tuple(t.shape)}, dtype "
             f"{t.dtype}, used by {name}); under torch.func its gradient would silently "
-            "be zero. Pass the tensor as an argument of the rematerialized function "
-            "(or keep it in a closure variable, a default argument, a module parameter, "
-            "an attribute of an object the function reaches, or a global, where remat "
-            "finds it)."
+            "be zero. remat finds tensors in the arguments (pytrees, dataclasses, dict "
+            "and list subclasses, and the attributes of objects passed in), closure "
+            "variables, default arguments, module parameters, attributes of objects "
+            "the function reaches, and globals; not in __slots__ or in what a call "
+            "returns. Pass the tensor itself as an argument, or register the type "
+            "that holds it as a pytree: optree.register_pytree_node(cls, flatten_func, "
+            "unflatten_func, namespace='remat')."
         )
 
     def _wraps_known(self, t: torch.Tensor) -> bool:

@@ -64,7 +64,7 @@ from .._offload import (
     offload,
     placeholder_for,
 )
-from .._pytree import flatten, tensor_leaves, tree_map
+from .._pytree import check_outputs_visible, flatten, flatten_region_io, tensor_leaves, tree_map
 from .._region import Region
 from .._replay import TAG, OpLog, OpRecord, RecordMode, ReplayMode, side_by_side
 from .._rng import RngState, check_batched_recompute
@@ -604,7 +604,9 @@ def run_eager(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         return fn(*args, **kwargs)  # inference: nothing will be saved
     top = local.frames[-1] if local.frames else None
     if top is not None and top.phase == "forward":
-        return _run_inside(top, fn, args, kwargs)  # the outer region decides (NOTE rule 4)
+        out = _run_inside(top, fn, args, kwargs)  # the outer region decides (NOTE rule 4)
+        check_outputs_visible(flatten_region_io(out)[0], region.label)
+        return out
     policy = region.policy
     if _keeps_everything(region):
         with _pushed(_KEEP_EVERYTHING):  # autograd as usual; inner regions run plainly
@@ -614,7 +616,11 @@ def run_eager(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         frame.parent = top  # running inside the outer region's recompute
     elif policy.keeps_last_region:
         _demote_previous(frame)
-    return frame.run_forward()
+    out = frame.run_forward()
+    # Autograd would differentiate a tensor in any object, but the torch.func
+    # engine cannot see one in an object it cannot flatten: both raise alike.
+    check_outputs_visible(flatten_region_io(out)[0], region.label)
+    return out
 
 
 def _run_inside(
