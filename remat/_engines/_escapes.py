@@ -274,7 +274,9 @@ class EscapeWatch(TorchFunctionMode):
             f"({escape.describe()}; kept by a forward hook, a list, an attribute or a "
             f"global), and under torch.func {reason}, so its gradient would be wrong. "
             "Return the tensor from the function (for a hook, return what it collects), "
-            "or store `t.detach()` if no gradient should flow through it."
+            "or store `t.detach()` if no gradient should flow through it. In a Hugging "
+            "Face model a KV cache filled during training is such a tensor: pass "
+            "use_cache=False (as its own gradient checkpointing does)."
         )
 
 
