@@ -172,6 +172,64 @@ def test_escape_under_vjp_jacrev_jacfwd_vmap(policy: str) -> None:
     assert_close_all(batched(xs, w), reference(xs, w))
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_escape_under_second_order_and_eager_backward_of_forced_engine(policy: str) -> None:
+    x, w = inputs()
+    loss, region_loss = global_loss(to_global), global_loss(remat.remat(to_global, policy=policy))
+    hessian = torch.func.hessian(region_loss, argnums=1)(x, w)
+    torch.testing.assert_close(hessian, torch.func.hessian(loss, argnums=1)(x, w))
+
+    def grad_grad(f: Callable[..., torch.Tensor]) -> torch.Tensor:
+        inner = torch.func.grad(f, argnums=1)
+        return torch.func.grad(lambda w: inner(x, w).sum())(w)
+
+    torch.testing.assert_close(grad_grad(region_loss), grad_grad(loss))
+    # engine="functional" under plain autograd: the Function's own backward.
+    forced = global_loss(remat.remat(to_global, policy=policy, engine="functional"))
+    leaves = (x.clone().requires_grad_(), w.clone().requires_grad_())
+    assert_close_all(
+        torch.autograd.grad(forced(*leaves), leaves), torch.autograd.grad(loss(*leaves), leaves)
+    )
+
+
+def returned_too(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x @ w)
+    CAPTURED.append(h)
+    return h
+
+
+def view_returned(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x @ w)
+    CAPTURED.append(h)  # its view is the output: the view holds its impl
+    return h[1:]
+
+
+def view_kept(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x @ w)
+    g = h.exp()
+    CAPTURED.extend([h, h[0], g])
+    return (g * h).sin()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("fn", [returned_too, view_returned, view_kept])
+def test_escapes_that_alias_outputs_or_each_other(policy: str, fn: Callable[..., Any]) -> None:
+    x, w = inputs()
+
+    def loss(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            CAPTURED.clear()
+            out = f(x, w).sum() + sum((t**2).sum() for t in CAPTURED)
+            CAPTURED.clear()
+            return out
+
+        return run
+
+    expected = torch.func.grad(loss(fn), argnums=(0, 1))(x, w)
+    actual = torch.func.grad(loss(remat.remat(fn, policy=policy)), argnums=(0, 1))(x, w)
+    assert_close_all(actual, expected)
+
+
 # -- what needs no gradient keeps working -----------------------------------------------------
 
 

@@ -7,9 +7,10 @@ NOTE [ Escaped tensors ]
    ``output_attentions`` capture does; ``self.last = h``; a global list) is, in
    the functional engine, a plain tensor made below every level: a loss term on
    it silently gets no gradient.
-2. Noting. While ``fn`` runs in the forward, `EscapeWatch` (a
-   `TorchFunctionMode`) numbers every top-level torch call and keeps a weak
-   reference to each floating output that depends on a differentiated input
+2. Noting. While ``fn`` runs in the forward, `EscapeWatch.note` (called by
+   the forward's one `TorchFunctionMode`, the engine's hidden-input guard)
+   numbers every top-level torch call and keeps a weak reference to each
+   floating output that depends on a differentiated input
    (a taint set of ids, seeded with those inputs; ``detach``/``.data`` and ops
    run with grad disabled inside ``fn`` do not carry it). Only calls made while
    ``fn`` itself runs are numbered (`EscapeWatch.counted`), so the engine's own
@@ -30,8 +31,9 @@ NOTE [ Escaped tensors ]
    gradient. Where the swap is refused (a weak reference to it, a tensor
    subclass, its impl held elsewhere), remat raises `RematError` naming the
    tensor and the fix (return it, or detach it).
-5. Recompute. The backward's (and ``jvp``'s) recompute captures the output of
-   the same numbered call and returns it with ``fn``'s outputs, so the vjp
+5. Recompute. The backward's (and ``jvp``'s) recompute, with `EscapeWatch`
+   entered as a `TorchFunctionMode` (only for calls that had escapes),
+   captures the output of the same numbered call and returns it with ``fn``'s outputs, so the vjp
    gives each escaped tensor's cotangent its part of the gradient. The call's
    name, shape and dtype are checked: a recompute that makes something else
    there raises instead of differentiating the wrong tensor.
@@ -90,6 +92,7 @@ class EscapeWatch(TorchFunctionMode):
         self.tainted: set[int] = set()
         #: Forward: whether grad mode inside ``fn`` tells what carries a gradient.
         self.grad_mode_counts = True
+        self.noting = False
         self.found: list[_Escape] = []
         #: Recompute: call number -> [(position, slot in ``captured``)].
         self.wanted: dict[int, list[tuple[int, int]]] | None = None
@@ -116,45 +119,59 @@ class EscapeWatch(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not self.active:
-            return out
-        index = self.count
-        self.count += 1
-        if self.wanted is not None:
+        out = func(*args, **(kwargs or {}))
+        if self.active and self.wanted is not None:
+            index = self.count
+            self.count += 1
             self._capture(index, func, out)
-        else:
-            self._note(index, func, args, kwargs, out)
         return out
 
     # -- forward ---------------------------------------------------------------
 
     @contextlib.contextmanager
     def watching(self, differentiated: Sequence[torch.Tensor]) -> Iterator[None]:
-        """The forward: note tainted outputs of ``fn``'s calls (seeds: differentiated inputs)."""
+        """The forward: `note` tainted outputs of ``fn``'s calls (seeds: differentiated inputs).
+
+        The forward's `TorchFunctionMode` (the engine's hidden-input guard, the
+        only one there) calls `note` for each call: one mode less on every op.
+        """
         self.taint(differentiated)
         # The Function runs the plain forward with grad disabled: then grad mode
         # inside ``fn`` says nothing, and every tainted output may carry a gradient.
         self.grad_mode_counts = torch.is_grad_enabled()
-        with self:
+        self.noting = True
+        try:
             yield
+        finally:
+            self.noting = False
 
     def taint(self, tensors: Sequence[Any]) -> None:
         self.tainted.update(id(t) for t in tensors if isinstance(t, torch.Tensor))
 
-    def _note(
-        self, index: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    def note(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        arg_leaves: list[Any],
+        leaves: list[Any],
     ) -> None:
+        """A torch call in the forward: number it, note its tainted outputs (rule 2).
+
+        ``arg_leaves`` are the leaves of ``(args, kwargs)``, ``leaves`` those of its
+        output with ``none_is_leaf=True`` (as `_capture` numbers them).
+        """
+        if not (self.noting and self.active):
+            return
+        index = self.count
+        self.count += 1
         name = _name(func)
         if name in _DETACHING or (self.grad_mode_counts and not torch.is_grad_enabled()):
             return
         tainted = self.tainted
-        tree: Any = (args, kwargs)
-        given = {id(leaf) for leaf in optree.tree_leaves(tree, none_is_leaf=False)}
+        given = {id(leaf) for leaf in arg_leaves}
         if tainted.isdisjoint(given):
             return
-        leaves: list[Any] = optree.tree_leaves(out, none_is_leaf=True)
         for position, t in enumerate(leaves):
             # An op may return an argument itself (``to`` a dtype it has, in-place
             # ops): that tensor was not made here, and may be the engine's input.
@@ -178,8 +195,9 @@ class EscapeWatch(TorchFunctionMode):
     ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """End of forward: find escaped tensors (NOTE rule 3).
 
-        Returns ``out`` (an escaped output replaced by a detached alias, so that the
-        Function's output does not hold the escaped impl) and the extra outputs.
+        Returns ``out`` (an escaped output, or a view of one, replaced by a detached
+        alias, so that the Function's output does not hold the escaped impl) and the
+        extra outputs.
         """
         noted, self.noted, self.tainted = self.noted, [], set()
         engine = {id(t): 0 for t in out}
@@ -201,8 +219,12 @@ class EscapeWatch(TorchFunctionMode):
         del noted
         if not self.found:
             return tuple(out), ()
+        # An output that is an escaped tensor, or a view of one, holds its impl.
         escaped = {id(e.target) for e in self.found}
-        out = tuple(t.detach() if id(t) in escaped else t for t in out)
+        out = tuple(
+            t.detach() if id(t) in escaped or (t._is_view() and id(t._base) in escaped) else t
+            for t in out
+        )
         extras = tuple(
             _below_dead_levels(e.target).detach() for e in self.found if e.target is not None
         )

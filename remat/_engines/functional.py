@@ -144,9 +144,10 @@ def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
     call = _Call(region, fn, args, kwargs)
     flat_out = _RematFunction.apply(call, *call.inputs)  # type: ignore[no-untyped-call]
     # Escaped tensors come last (NOTE [ Escaped tensors ] in ``_escapes.py``).
+    # (`adopt` must hold the only references to them: it lets each go after its swap.)
     count = len(flat_out) - len(call.escapes.found)
-    call.escapes.adopt(list(flat_out[count:]))
-    flat_out = flat_out[:count]
+    flat_out, escaped = flat_out[:count], list(flat_out[count:])
+    call.escapes.adopt(escaped)
     return call.unflatten_output(flat_out)
 
 
@@ -602,7 +603,9 @@ class _HiddenInputGuard(TorchFunctionMode):
             if isinstance(leaf, torch.Tensor) and id(leaf) not in self.known:
                 self.check(leaf, func)
         out = func(*args, **kwargs)
-        self.know(optree.tree_leaves(out, none_is_leaf=False))
+        out_leaves: list[Any] = optree.tree_leaves(out, none_is_leaf=True)
+        self.know(out_leaves)
+        self.call.escapes.note(func, args, kwargs, leaves, out_leaves)
         return out
 
     def check(self, t: torch.Tensor, func: Any) -> None:
