@@ -298,7 +298,8 @@ class EscapeWatch(TorchFunctionMode):
             "Return the tensor from the function (for a hook, return what it collects), "
             "or store `t.detach()` if no gradient should flow through it. In a Hugging "
             "Face model a KV cache filled during training is such a tensor: pass "
-            "use_cache=False (as its own gradient checkpointing does)."
+            "use_cache=False (as its own gradient checkpointing does). If this region "
+            "runs another rematerialized region, or runs inside one, remat only one of them."
         )
 
 
