@@ -95,6 +95,11 @@ NOTE [ The functional engine ]
    that still holds a tensor raises `RematError` (its tensor would not be an
    output of the Function), and so does the eager engine. Argument leaves that
    are objects are walked for tensors like objects ``fn`` reaches (rule 2).
+12. Escaped tensors (NOTE [ Escaped tensors ] in ``_escapes.py``): a tensor
+   ``fn`` hands out other than through its return value (a hook appending to
+   a list, an attribute, a global) becomes an extra output of the Function,
+   swapped into the user's Python object after ``apply``; the recompute
+   captures it again by the number of the torch call that made it.
 """
 
 from __future__ import annotations
@@ -122,6 +127,7 @@ from .._replay import OpLog, OpRecord, RecordMode, ReplayMode, physical, storage
 from .._rng import RngState, check_batched_recompute, vmap_levels
 from .._state import is_recomputing, local, recomputing
 from ..policies import Decision, Policy
+from ._escapes import EscapeWatch
 
 __all__ = ["run_functional"]
 
@@ -158,6 +164,11 @@ def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
         return fn(*args, **kwargs)
     call = _Call(region, fn, args, kwargs)
     flat_out = _RematFunction.apply(call, *call.inputs)  # type: ignore[no-untyped-call]
+    # Escaped tensors come last (NOTE [ Escaped tensors ] in ``_escapes.py``).
+    # (`adopt` must hold the only references to them: it lets each go after its swap.)
+    count = len(flat_out) - len(call.escapes.found)
+    flat_out, escaped = flat_out[:count], list(flat_out[count:])
+    call.escapes.adopt(escaped)
     return call.unflatten_output(flat_out)
 
 
@@ -201,7 +212,9 @@ class _Call:
         bindings: Bindings | None = None,
     ) -> None:
         self.region = region
-        self.fn = fn
+        #: Tensors ``fn`` lets out besides its outputs (NOTE [ Escaped tensors ]).
+        self.escapes = EscapeWatch(region.label)
+        self.fn = self.escapes.counted(fn)
         tree: Any = (args, kwargs)
         leaves: list[Any]
         leaves, self.treedef = flatten_region_io(tree)
@@ -282,6 +295,7 @@ class _Call:
         ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
             if self.guard is not None:
                 self.guard.know(moved)
+            self.escapes.taint(moved)
             full = list(tensors)
             for i, t in zip(self.differentiated, moved, strict=True):
                 full[i] = t
@@ -310,7 +324,7 @@ class _Call:
             full = list(inputs)
             for i, t in zip(moving, moved, strict=True):
                 full[i] = t
-            out = self.run(full)
+            out = self.escapes.run(lambda: self.run(full))
             return tuple(out[i] for i in outputs)
 
         return primal
@@ -325,7 +339,9 @@ class _Call:
         """The region's forward: record what the policy keeps, guard against hidden inputs."""
         if self.region.preserve_rng_state:
             self.rng = RngState.capture(tensors)
-        with _HiddenInputGuard(self, tensors) as self.guard, _Births(self.guard):
+        with _HiddenInputGuard(self, tensors) as self.guard, _Births(self.guard), self.watch(
+            tensors
+        ):
             if not self.region.policy.needs_op_trace and not self.region.policy.keeps_last_region:
                 out = self.run(tensors)
             else:
@@ -334,11 +350,18 @@ class _Call:
                     out = self.run_as_differentiated(tensors)
         self.guard = None
         self.rng_after = self.rng.now() if self.rng is not None else None
+        out, escaped = self.escapes.collect(out) if self.differentiated else (out, ())
         if self.log is not None:
-            self.offload_kept(tensors, out)
+            self.offload_kept(tensors, (*out, *escaped))
         # autograd.Function refuses to save an input it also returns as-is: return a view.
         given = {id(t) for t in tensors}
-        return tuple(t.view_as(t) if id(t) in given else t for t in out)
+        return (*(t.view_as(t) if id(t) in given else t for t in out), *escaped)
+
+    def watch(self, tensors: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
+        """Note what ``fn`` may let out besides its outputs, when a backward will come."""
+        if not self.differentiated:
+            return contextlib.nullcontext()
+        return self.escapes.watching([tensors[i] for i in self.differentiated])
 
     # -- vmap (NOTE rule 10) ---------------------------------------------------
 
@@ -565,7 +588,8 @@ def _jvp(ctx: Any, tangents: tuple[torch.Tensor | None, ...]) -> tuple[torch.Ten
         for i, (t, d) in enumerate(zip(inputs, tangents[1:], strict=True))
         if d is not None and _differentiable(t)
     ]
-    outputs = [i for i, p in enumerate(call.out_positions) if _is_float(call, i)]
+    total = len(call.out_positions) + len(call.escapes.found)
+    outputs = [i for i in range(total) if _is_float(call, i)]
 
     # Forward-mode AD interleaves tangent ops with the primal ones: no replay.
     with call.recompute(replay=False):
@@ -574,13 +598,15 @@ def _jvp(ctx: Any, tangents: tuple[torch.Tensor | None, ...]) -> tuple[torch.Ten
             tuple(inputs[i] for i in moving),
             tuple(tangents[i + 1] for i in moving),
         )[1]
-    result: list[torch.Tensor | None] = [None] * len(call.out_positions)
+    result: list[torch.Tensor | None] = [None] * total
     for i, t in zip(outputs, out_tangents, strict=True):
         result[i] = t
     return tuple(result)
 
 
 def _is_float(call: _Call, index: int) -> bool:
+    if index >= len(call.out_positions):
+        return True  # an escaped tensor: floating by construction
     leaf = call.out_leaves[call.out_positions[index]]
     return isinstance(leaf, torch.Tensor) and _differentiable(leaf)
 
@@ -707,7 +733,9 @@ class _HiddenInputGuard(TorchFunctionMode):
             if isinstance(leaf, torch.Tensor) and id(leaf) not in self.known:
                 self.check(leaf, func)
         out = func(*args, **kwargs)
-        self.know(optree.tree_leaves(out, none_is_leaf=False))
+        out_leaves: list[Any] = optree.tree_leaves(out, none_is_leaf=True)
+        self.know(out_leaves)
+        self.call.escapes.note(func, args, kwargs, leaves, out_leaves)
         return out
 
     def check(self, t: torch.Tensor, func: Any) -> None:

@@ -1,0 +1,321 @@
+"""Tensors that leave a torch.func region other than through its return value.
+
+NOTE [ Escaped tensors ]
+1. The problem. An `autograd.Function` differentiates only what its forward
+   returns. A tensor ``fn`` hands out any other way (a forward hook appending a
+   submodule's output to a list, as Hugging Face's ``output_router_logits`` and
+   ``output_attentions`` capture does; ``self.last = h``; a global list) is, in
+   the functional engine, a plain tensor made below every level: a loss term on
+   it silently gets no gradient.
+2. Noting. While ``fn`` runs in the forward, `EscapeWatch.note` (called by
+   the forward's one `TorchFunctionMode`, the engine's hidden-input guard)
+   numbers every top-level torch call and keeps a weak reference to each
+   floating output that depends on a differentiated input
+   (a taint set of ids, seeded with those inputs; ``detach``/``.data`` and ops
+   run with grad disabled inside ``fn`` do not carry it). Only calls made while
+   ``fn`` itself runs are numbered (`EscapeWatch.counted`), so the engine's own
+   calls never shift the numbers.
+3. Finding. When the forward ends, a noted tensor that is still alive and held
+   by a Python reference that is not the engine's escaped. Torch keeps a
+   tensor's Python object alive while C++ holds its impl (a view's base, a
+   graph's saved value), and then the impl holds one Python reference; so the
+   count is ``sys.getrefcount`` less our own references, less the engine's
+   (the outputs), less one when ``_use_count() > 1``. A reference cycle not yet
+   collected counts as a holder: that tensor becomes an extra output for
+   nothing, which costs a little and changes no gradient.
+4. Handing back. Each escaped tensor becomes an extra output of the Function
+   (a detached alias of its value below the levels that died with the forward,
+   so the output chain does not hold the escaped impl). After ``apply``,
+   `torch.utils.swap_tensors` gives the user's Python object the Function's
+   output: every reference the user holds now sees a tensor that carries its
+   gradient. Where the swap is refused (a weak reference to it, a tensor
+   subclass, its impl held elsewhere), remat raises `RematError` naming the
+   tensor and the fix (return it, or detach it).
+5. Recompute. The backward's (and ``jvp``'s) recompute, with `EscapeWatch`
+   entered as a `TorchFunctionMode` (only for calls that had escapes),
+   captures the output of the same numbered call and returns it with ``fn``'s outputs, so the vjp
+   gives each escaped tensor's cotangent its part of the gradient. The call's
+   name, shape and dtype are checked: a recompute that makes something else
+   there raises instead of differentiating the wrong tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .._errors import RematError
+
+__all__ = ["EscapeWatch"]
+
+_functorch = torch._C._functorch
+
+#: Calls whose output carries no gradient whatever their input (``.data`` is a property).
+_DETACHING = frozenset({"detach", "detach_", "data"})
+
+
+@dataclasses.dataclass(eq=False)
+class _Escape:
+    """One tensor that left the forward other than through its outputs."""
+
+    call: int
+    position: int
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    #: The user's Python object until `EscapeWatch.adopt` swaps it (then None).
+    target: torch.Tensor | None = None
+
+    def describe(self) -> str:
+        return f"shape {self.shape}, dtype {self.dtype}, made by {self.op}"
+
+
+class EscapeWatch(TorchFunctionMode):
+    """Find tensors ``fn`` hands out besides its outputs; capture them again in recompute."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__()
+        self.label = label
+        #: Whether ``fn`` itself is running (only its calls are numbered).
+        self.active = False
+        self.count = 0
+        #: Forward: (call, position, weak reference, op name) of each tainted output.
+        self.noted: list[tuple[int, int, Any, str]] = []
+        self.tainted: set[int] = set()
+        #: Forward: whether grad mode inside ``fn`` tells what carries a gradient.
+        self.grad_mode_counts = True
+        self.noting = False
+        self.found: list[_Escape] = []
+        #: Recompute: call number -> [(position, slot in ``captured``)].
+        self.wanted: dict[int, list[tuple[int, int]]] | None = None
+        self.captured: list[torch.Tensor | None] = []
+
+    # -- numbering -------------------------------------------------------------
+
+    def counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, numbering the torch calls it makes (NOTE rule 2)."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            previous, self.active, self.count = self.active, True, 0
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.active = previous
+
+        return run
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.active and self.wanted is not None:
+            index = self.count
+            self.count += 1
+            self._capture(index, func, out)
+        return out
+
+    # -- forward ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def watching(self, differentiated: Sequence[torch.Tensor]) -> Iterator[None]:
+        """The forward: `note` tainted outputs of ``fn``'s calls (seeds: differentiated inputs).
+
+        The forward's `TorchFunctionMode` (the engine's hidden-input guard, the
+        only one there) calls `note` for each call: one mode less on every op.
+        """
+        self.taint(differentiated)
+        # The Function runs the plain forward with grad disabled: then grad mode
+        # inside ``fn`` says nothing, and every tainted output may carry a gradient.
+        self.grad_mode_counts = torch.is_grad_enabled()
+        self.noting = True
+        try:
+            yield
+        finally:
+            self.noting = False
+
+    def taint(self, tensors: Sequence[Any]) -> None:
+        self.tainted.update(id(t) for t in tensors if isinstance(t, torch.Tensor))
+
+    def note(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        arg_leaves: list[Any],
+        leaves: list[Any],
+    ) -> None:
+        """A torch call in the forward: number it, note its tainted outputs (rule 2).
+
+        ``arg_leaves`` are the leaves of ``(args, kwargs)``, ``leaves`` those of its
+        output with ``none_is_leaf=True`` (as `_capture` numbers them).
+        """
+        if not (self.noting and self.active):
+            return
+        index = self.count
+        self.count += 1
+        name = _name(func)
+        if name in _DETACHING or (self.grad_mode_counts and not torch.is_grad_enabled()):
+            return
+        tainted = self.tainted
+        given = {id(leaf) for leaf in arg_leaves}
+        if tainted.isdisjoint(given):
+            return
+        for position, t in enumerate(leaves):
+            # An op may return an argument itself (``to`` a dtype it has, in-place
+            # ops): that tensor was not made here, and may be the engine's input.
+            if (
+                isinstance(t, torch.Tensor)
+                and id(t) not in given
+                and (t.is_floating_point() or t.is_complex())
+            ):
+                tainted.add(id(t))
+                self.noted.append((index, position, weakref.ref(t), name))
+        # An in-place write (``a.add_(b)``, ``a[i] = b``, ``out=``) taints its target.
+        if args and isinstance(args[0], torch.Tensor) and (
+            (name.endswith("_") and not name.endswith("__")) or name == "__setitem__"
+        ):
+            tainted.add(id(args[0]))
+        if isinstance(kwargs.get("out"), torch.Tensor):
+            tainted.add(id(kwargs["out"]))
+
+    def collect(
+        self, out: Sequence[torch.Tensor]
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """End of forward: find escaped tensors (NOTE rule 3).
+
+        Returns ``out`` (an escaped output, or a view of one, replaced by a detached
+        alias, so that the Function's output does not hold the escaped impl) and the
+        extra outputs.
+        """
+        noted, self.noted, self.tainted = self.noted, [], set()
+        engine = {id(t): 0 for t in out}
+        for t in out:
+            engine[id(t)] += 1
+        seen: set[int] = set()
+        for call, position, ref, op in noted:
+            t = ref()
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            # References: ``t`` here, getrefcount's argument, the engine's, C++'s hold.
+            held = sys.getrefcount(t) - 2 - engine.get(id(t), 0) - (t._use_count() > 1)
+            if held > 0:
+                self.found.append(
+                    _Escape(call, position, op, tuple(t.shape), t.dtype, target=t)
+                )
+            del t
+        del noted
+        if not self.found:
+            return tuple(out), ()
+        # An output that is an escaped tensor, or a view of one, holds its impl.
+        escaped = {id(e.target) for e in self.found}
+        out = tuple(
+            t.detach() if id(t) in escaped or (t._is_view() and id(t._base) in escaped) else t
+            for t in out
+        )
+        extras = tuple(
+            _below_dead_levels(e.target).detach() for e in self.found if e.target is not None
+        )
+        return out, extras
+
+    def adopt(self, outputs: list[torch.Tensor]) -> None:
+        """After ``apply``: give each escaped Python object its differentiable output (rule 4).
+
+        ``outputs`` is emptied. Newest first, and each swapped-out value let go at
+        once: a dead forward graph that a later escaped tensor still holds may hold
+        an earlier one's impl (a cache tensor an attention op saved), which the swap
+        would refuse.
+        """
+        for slot in reversed(range(len(self.found))):
+            escape, output = self.found[slot], outputs.pop()
+            target, escape.target = escape.target, None
+            assert target is not None, "this is a bug in remat, please report it"
+            try:
+                torch.utils.swap_tensors(target, output)
+            except RuntimeError as err:
+                raise self._error(escape, f"the swap was refused: {err}") from err
+            del target, output  # ``output`` now holds the forward's value: let it go
+
+    # -- recompute -------------------------------------------------------------
+
+    def run(self, run: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        """``run()``'s outputs followed by the escaped tensors of this recompute (rule 5)."""
+        if not self.found:
+            return run()
+        wanted: dict[int, list[tuple[int, int]]] = {}
+        for slot, escape in enumerate(self.found):
+            wanted.setdefault(escape.call, []).append((escape.position, slot))
+        saved = (self.wanted, self.captured)
+        self.wanted, self.captured = wanted, [None] * len(self.found)
+        try:
+            with self:
+                out = run()
+            captured = self.captured
+        finally:
+            self.wanted, self.captured = saved
+        missing = [e for e, t in zip(self.found, captured, strict=True) if t is None]
+        if missing:
+            raise self._error(missing[0], "the recompute did not make it again")
+        return (*out, *(t for t in captured if t is not None))
+
+    def _capture(self, index: int, func: Any, out: Any) -> None:
+        assert self.wanted is not None, "this is a bug in remat, please report it"
+        places = self.wanted.get(index)
+        if not places:
+            return
+        leaves: list[Any] = optree.tree_leaves(out, none_is_leaf=True)
+        name = _name(func)
+        for position, slot in places:
+            escape = self.found[slot]
+            t = leaves[position] if position < len(leaves) else None
+            if (
+                not isinstance(t, torch.Tensor)
+                or name != escape.op
+                or t.dtype != escape.dtype
+            ):
+                raise self._error(
+                    escape, f"the recompute made something else in its place ({name})"
+                )
+            self.captured[slot] = t
+
+    def _error(self, escape: _Escape, reason: str) -> RematError:
+        return RematError(
+            f"remat: {self.label} let a tensor out other than through its return value "
+            f"({escape.describe()}; kept by a forward hook, a list, an attribute or a "
+            f"global), and under torch.func {reason}, so its gradient would be wrong. "
+            "Return the tensor from the function (for a hook, return what it collects), "
+            "or store `t.detach()` if no gradient should flow through it. In a Hugging "
+            "Face model a KV cache filled during training is such a tensor: pass "
+            "use_cache=False (as its own gradient checkpointing does). If this region "
+            "runs another rematerialized region, or runs inside one, remat only one of them."
+        )
+
+
+def _name(func: Any) -> str:
+    """A torch call's name; a property's getter is named by the property (``data``, ``T``)."""
+    name = getattr(func, "__name__", None)
+    if name == "__get__":
+        name = getattr(getattr(func, "__self__", None), "__name__", None)
+    return name if isinstance(name, str) else str(func)
+
+
+def _below_dead_levels(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without the wrappers of levels that exited with the forward (its inner vjp)."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        inner = _functorch.unwrap_if_dead(t)
+        if inner is t:
+            break
+        t = inner
+    return t
