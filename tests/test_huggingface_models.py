@@ -341,7 +341,7 @@ def _run_variant(
 
 CONTAINER = (
     "the whole model as one region returns a ModelOutput; under torch.func its loss is "
-    "right but the parameters' gradients are not"
+    "right but every parameter's gradient is zero"
 )
 
 
