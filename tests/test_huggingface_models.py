@@ -254,21 +254,12 @@ def _assert_same(run: Run, reference: Run) -> None:
 
 # -- every decoder layer a region -------------------------------------------------
 
-ESCAPING = (
-    "a forward hook inside the layer (transformers' OutputRecorder for router_logits) "
-    "keeps a tensor of the torch.func engine's forward: the aux loss's gradient is lost"
-)
-
-
 def _layer_cases() -> list[Any]:
     cases = []
     for model in sorted(BUILDERS):
         for policy in POLICIES:
             for way in sorted(WAYS):
-                marks = []
-                if model == "mixtral" and way == "functional":
-                    marks.append(pytest.mark.xfail(strict=True, reason=ESCAPING))
-                cases.append(pytest.param(model, policy, way, marks=marks))
+                cases.append(pytest.param(model, policy, way))
     return cases
 
 
@@ -339,15 +330,8 @@ def _run_variant(
     return runs[0], runs[1], remat_case
 
 
-CONTAINER = (
-    "the whole model as one region returns a ModelOutput; under torch.func its loss is "
-    "right but every parameter's gradient is zero"
-)
-
-
 @pytest.mark.parametrize(
-    "way", ["eager", pytest.param("functional", marks=pytest.mark.xfail(strict=True,
-                                                                        reason=CONTAINER))]
+    "way", sorted(WAYS)
 )
 @pytest.mark.parametrize("model", ["gpt2", "llama", "bert"])
 def test_whole_model_as_one_region(model: str, way: str) -> None:
@@ -360,15 +344,8 @@ def _attention_loss(output: Any) -> torch.Tensor:
     return output.loss + sum(a.pow(2).sum() for a in output.attentions)  # type: ignore[no-any-return]
 
 
-ATTENTIONS = (
-    "output_attentions: the attention weights leave the layer through a forward hook; "
-    "under torch.func their gradient is lost"
-)
-
-
 @pytest.mark.parametrize(
-    "way", ["eager", pytest.param("functional", marks=pytest.mark.xfail(strict=True,
-                                                                        reason=ATTENTIONS))]
+    "way", sorted(WAYS)
 )
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_attention_weights_in_the_loss(model: str, way: str) -> None:
@@ -400,8 +377,10 @@ KV_CACHE = (
 )
 
 
-@pytest.mark.xfail(strict=True, reason=KV_CACHE)
-@pytest.mark.parametrize("way", sorted(WAYS))
+@pytest.mark.parametrize(
+    "way", [pytest.param("eager", marks=pytest.mark.xfail(strict=True, reason=KV_CACHE)),
+            "functional"]
+)
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_kv_cache_in_a_region_is_loud(model: str, way: str) -> None:
     """A layer that writes a KV cache raises, names the layer and says to pass use_cache=False."""
