@@ -96,10 +96,11 @@ from .._autocast import AutocastState
 from .._closure import Bindings, find_closed_over
 from .._compile import uncompiled
 from .._errors import RematError
+from .._module_state import state_guard_of
 from .._offload import Offloaded, current_store, next_serial, offload, placeholder_for
 from .._region import Region
 from .._replay import OpLog, OpRecord, RecordMode, ReplayMode, physical, storage_address
-from .._rng import RngState, check_batched_recompute, vmap_levels
+from .._rng import RngState, check_batched_recompute, generators_of, vmap_levels
 from .._state import is_recomputing, local, recomputing
 from ..policies import Decision, Policy
 
@@ -170,6 +171,9 @@ class _Call:
         self.leaves = leaves
         self.tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self.bindings: Bindings = find_closed_over(fn)
+        #: Module buffers, closure cells and ``.grad`` the forward changes, changed
+        #: once (NOTE [ State the forward changes ] in ``_module_state.py``).
+        self.state = state_guard_of(fn, leaves, region.label)
         self.inputs: tuple[torch.Tensor, ...] = (
             *(leaves[i] for i in self.tensor_positions),
             *self.bindings.tensors,
@@ -199,7 +203,7 @@ class _Call:
         for position, tensor in zip(self.tensor_positions, tensors[:count], strict=True):
             leaves[position] = tensor
         args, kwargs = optree.tree_unflatten(self.treedef, leaves)
-        with self.bindings.swapped(tensors[count:]):
+        with self.bindings.swapped(tensors[count:]), self.state.guarded():
             out = self.fn(*args, **kwargs)
         out_leaves, out_treedef = optree.tree_flatten(out, none_is_leaf=False)
         positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
@@ -279,7 +283,7 @@ class _Call:
     def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The region's forward: record what the policy keeps, guard against hidden inputs."""
         if self.region.preserve_rng_state:
-            self.rng = RngState.capture(tensors)
+            self.rng = RngState.capture(tensors, generators_of(self.fn, self.leaves))
         with _HiddenInputGuard(self, tensors) as self.guard, _Births(self.guard):
             if not self.region.policy.needs_op_trace and not self.region.policy.keeps_last_region:
                 out = self.run(tensors)
