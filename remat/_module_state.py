@@ -87,13 +87,17 @@ _stateful_types = tuple(_STATEFUL_TYPES)
 
 
 def register_stateful(cls: type) -> type:
-    """Declare that modules of type ``cls`` update buffers in forward.
+    """Declare that modules of type ``cls`` update buffers or parameters in forward.
 
-    While a rematerialized region is recomputed, the buffers of every stateful
-    module it runs are swapped for copies and restored afterwards, so state
-    changes once per real forward. BatchNorm (every ``_NormBase``) is
-    registered already. For a single module, set ``module.remat_stateful = True``
-    instead. Usable as a class decorator.
+    While a rematerialized region is recomputed, the buffers and parameters of
+    every stateful module it runs are swapped for copies of what the forward
+    started from and restored afterwards, so state changes once per real
+    forward. Buffers of up to `SNAPSHOT_BYTES` that a forward writes are
+    handled without registration (NOTE [ State the forward changes ]); register
+    modules that write larger buffers or their parameters in place (remat
+    raises `RematError` naming them otherwise). BatchNorm (every
+    ``_NormBase``) is registered already. For a single module, set
+    ``module.remat_stateful = True`` instead. Usable as a class decorator.
 
     Args:
         cls (type): an ``nn.Module`` subclass.
@@ -191,30 +195,38 @@ class _Watched:
 
 def _watch(
     where: str, module: nn.Module, stateful: bool, known: set[tuple[int, str, int]]
-) -> Iterator[_Watched]:
+) -> list[_Watched]:
     """Watch ``module``'s parameters and buffers not in ``known``, copying what rule 1 copies.
 
     A stateful module's buffers are rule 2's (`_copies`); its parameters are
     copied here. Otherwise only buffers up to `SNAPSHOT_BYTES` are copied.
     """
-    # nn.Embedding(max_norm=...) renormalizes its weight before reading it: a
-    # recompute renormalizes an already renormalized weight, which changes nothing.
-    renorms = isinstance(module, nn.Embedding) and module.max_norm is not None
     tables = ((True, module._parameters),) if stateful else (
         (False, module._buffers), (True, module._parameters)
     )
+    new = [
+        (parameter, table, name, t)
+        for parameter, table in tables
+        for name, t in table.items()
+        if isinstance(t, torch.Tensor) and (id(table), name, id(t)) not in known
+    ]
+    if not new:  # the common case: a module run again with the same tensors
+        return []
+    # nn.Embedding(max_norm=...) renormalizes its weight before reading it: a
+    # recompute renormalizes an already renormalized weight, which changes nothing.
+    renorms = isinstance(module, nn.Embedding) and module.max_norm is not None
+    watched = []
     with _disable_current_modes(), torch.no_grad():  # our copies are no ops of the region
-        for parameter, table in tables:
-            for name, t in table.items():
-                key = (id(table), name, id(t))
-                if not isinstance(t, torch.Tensor) or key in known:
-                    continue
-                known.add(key)
-                small = not parameter and t.numel() * t.element_size() <= SNAPSHOT_BYTES
-                snapshot = t.detach().clone() if stateful or small else None
-                yield _Watched(
+        for parameter, table, name, t in new:
+            known.add((id(table), name, id(t)))
+            small = not parameter and t.numel() * t.element_size() <= SNAPSHOT_BYTES
+            snapshot = t.detach().clone() if stateful or small else None
+            watched.append(
+                _Watched(
                     where, table, name, t, t._version, snapshot, parameter, parameter and renorms
                 )
+            )
+    return watched
 
 
 def _linked_copy(current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -484,7 +496,7 @@ class StateGuard:
                     self.pins.extend(_pins(path, sub._buffers, parameter=False))
 
     def _watch(self, path: str, module: nn.Module, stateful: bool) -> None:
-        watched = list(_watch(path, module, stateful, self._watch_keys))
+        watched = _watch(path, module, stateful, self._watch_keys)
         self.watched.extend(watched)
         for w in watched:
             if w.parameter and _has_grad_slot(w.tensor):
@@ -512,6 +524,9 @@ class StateGuard:
     @contextlib.contextmanager
     def _grads_kept(self) -> Iterator[None]:
         """Undo what the recompute's inner backward accumulates into ``.grad`` (rule 3)."""
+        if not self.grads_written:
+            yield
+            return
         kept = []
         with _disable_current_modes(), torch.no_grad():
             for t, started_empty in self.grads_written:

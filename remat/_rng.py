@@ -95,6 +95,8 @@ class RngState:
 
 
 _MAX_DEPTH = 4
+#: Values that hold no generator (most of what a walk meets: module flags, sizes).
+_ATOMS = frozenset({int, float, bool, str, bytes, type(None), torch.Tensor, torch.nn.Parameter})
 
 
 def generators_of(fn: Any, leaves: Iterable[Any] = ()) -> list[torch.Generator]:
@@ -103,7 +105,7 @@ def generators_of(fn: Any, leaves: Iterable[Any] = ()) -> list[torch.Generator]:
     seen: set[int] = set()
 
     def visit(obj: Any, depth: int) -> None:
-        if depth > _MAX_DEPTH or id(obj) in seen:
+        if type(obj) in _ATOMS or depth > _MAX_DEPTH or id(obj) in seen:
             return
         seen.add(id(obj))
         if isinstance(obj, torch.Generator):
