@@ -358,7 +358,7 @@ class StateGuard:
        what the recompute computes. A new view of the same memory (FSDP's
        unsharded views) is left alone. A tensor modified in place after the
        forward (an optimizer step before backward, a second forward of a
-       non-stateful module that updates its buffer) raises
+       module that updates a buffer the forward did not write) raises
        `SavedInputMutatedError` instead of recomputing from the new values.
        Inside the torch.func engine the slots are its own (``_closure.py``
        snapshots them), so this rule stands aside.
@@ -367,6 +367,10 @@ class StateGuard:
        the recompute early. So the recompute computes with the numbers the
        forward used (BatchNorm's cumulative-average factor depends on
        ``num_batches_tracked``) and changes no real state.
+    3. What the forward wrote in place without registration (buffers, and
+       refused: parameters and large buffers), the function's closure cells
+       and ``.grad`` (NOTE [ State the forward changes ]) likewise: the
+       recompute starts from what the forward found and leaves what it found.
     """
 
     def __init__(

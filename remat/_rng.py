@@ -8,7 +8,7 @@ advances like the default ones, so the recompute would draw other numbers.
 arguments, and in what its function reaches (closure cells, default
 arguments, the globals its code names, attributes of a bound method's object,
 of modules and their submodules, of objects and containers held there, a few
-levels deep). Their states are captured with the default generators' and
+levels deep and a few dozen items wide). Their states are captured with the default generators' and
 restored for the recompute. A generator reached otherwise (returned by a
 function call) is not found: the docs say to pass it as an argument.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import types
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -95,6 +96,8 @@ class RngState:
 
 
 _MAX_DEPTH = 4
+#: Items looked at in one container (a closed-over dataset is no place for generators).
+_MAX_ITEMS = 64
 #: Values that hold no generator (most of what a walk meets: module flags, sizes).
 _ATOMS = frozenset({int, float, bool, str, bytes, type(None), torch.Tensor, torch.nn.Parameter})
 
@@ -111,10 +114,10 @@ def generators_of(fn: Any, leaves: Iterable[Any] = ()) -> list[torch.Generator]:
         if isinstance(obj, torch.Generator):
             found.append(obj)
         elif isinstance(obj, (list, tuple)):
-            for item in obj:
+            for item in itertools.islice(obj, _MAX_ITEMS):
                 visit(item, depth + 1)
         elif isinstance(obj, dict):
-            for item in obj.values():
+            for item in itertools.islice(obj.values(), _MAX_ITEMS):
                 visit(item, depth + 1)
         elif isinstance(obj, functools.partial):
             visit(obj.func, depth + 1)
