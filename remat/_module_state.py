@@ -15,13 +15,45 @@ recording/replay dispatch modes switched off, so the recompute runs exactly the
 forward's ops. Stateful means: an instance of a registered type
 (`register_stateful`; ``_NormBase``, i.e. BatchNorm/InstanceNorm/SyncBatchNorm,
 is registered) or a module with the attribute ``remat_stateful = True``.
+
+NOTE [ State the forward changes ]
+No registration is needed for the common case: the guard also watches every
+buffer of the other modules a region runs (and, for its recompute, the closure
+cells of the region's function and the ``.grad`` of the leaves it reaches).
+
+1. Buffers. When a module is first seen, each of its buffers up to
+   `SNAPSHOT_BYTES` is copied; when the forward ends, the copies of buffers it
+   did not write in place are dropped (the version counter tells), and the
+   others become state, swapped in for the recompute as a stateful module's
+   are (``self.seen += 1`` counts once, and the recompute reads what the
+   forward read). A larger buffer written in place, or a parameter written in
+   place (a decay under ``no_grad``), cannot be given back to the recompute as
+   the forward found it: the recompute raises `RematError` saying so and how to
+   fix it, before it computes anything. (``nn.Embedding(max_norm=...)``
+   renormalizes its weight before reading it, idempotently: allowed.) A
+   stateful module's parameters are snapshotted too, so ``remat_stateful =
+   True`` is a fix that works.
+2. Closure cells. Cells of the function holding plain Python values (a
+   ``nonlocal`` counter) are read when the forward starts; while the region
+   recomputes, each cell the forward (or anyone since) rebound holds its start
+   value again, and gets back what it held just before the recompute after.
+   Attributes, globals and containers are not restored: guard those with
+   `remat.is_recomputing`.
+3. Gradients. A ``.backward()`` inside the region accumulates into ``.grad``
+   of leaves in the forward and would again in the recompute. The guard reads
+   ``.grad`` (identity and version) of the parameters of the modules the
+   region runs and of the leaf tensors its function closes over, when the
+   forward starts and ends; the recompute puts back the ``.grad`` of those the
+   forward changed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
+import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -31,10 +63,21 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ._compile import uncompiled
-from ._errors import SavedInputMutatedError
+from ._errors import RematError, SavedInputMutatedError
 from ._state import local
 
-__all__ = ["StateGuard", "is_stateful", "register_stateful", "state_guard_of", "storage_of"]
+__all__ = [
+    "SNAPSHOT_BYTES",
+    "StateGuard",
+    "is_stateful",
+    "register_stateful",
+    "state_guard_of",
+    "storage_of",
+]
+
+#: Buffers up to this size are copied when the forward first sees their module,
+#: in case it writes them (NOTE [ State the forward changes ] rule 1).
+SNAPSHOT_BYTES = 1 << 20
 
 _STATEFUL_TYPES: list[type] = [
     nn.modules.batchnorm._NormBase,
@@ -44,13 +87,17 @@ _stateful_types = tuple(_STATEFUL_TYPES)
 
 
 def register_stateful(cls: type) -> type:
-    """Declare that modules of type ``cls`` update buffers in forward.
+    """Declare that modules of type ``cls`` update buffers or parameters in forward.
 
-    While a rematerialized region is recomputed, the buffers of every stateful
-    module it runs are swapped for copies and restored afterwards, so state
-    changes once per real forward. BatchNorm (every ``_NormBase``) is
-    registered already. For a single module, set ``module.remat_stateful = True``
-    instead. Usable as a class decorator.
+    While a rematerialized region is recomputed, the buffers and parameters of
+    every stateful module it runs are swapped for copies of what the forward
+    started from and restored afterwards, so state changes once per real
+    forward. Buffers of up to `SNAPSHOT_BYTES` that a forward writes are
+    handled without registration (NOTE [ State the forward changes ]); register
+    modules that write larger buffers or their parameters in place (remat
+    raises `RematError` naming them otherwise). BatchNorm (every
+    ``_NormBase``) is registered already. For a single module, set
+    ``module.remat_stateful = True`` instead. Usable as a class decorator.
 
     Args:
         cls (type): an ``nn.Module`` subclass.
@@ -123,6 +170,160 @@ def storage_of(t: torch.Tensor) -> int | None:
     return int(t.untyped_storage()._cdata)
 
 
+@dataclasses.dataclass
+class _Watched:
+    """A parameter or buffer slot of a module the forward runs, and what it held then.
+
+    ``snapshot`` is a copy of the tensor's value when the module was first seen
+    (buffers up to `SNAPSHOT_BYTES`, and every tensor of a stateful module), or
+    None; ``version`` the tensor's version then.
+    """
+
+    where: str
+    table: dict[str, Any]
+    name: str
+    tensor: torch.Tensor
+    version: int
+    snapshot: torch.Tensor | None
+    parameter: bool
+    #: Written in forward by design, and idempotently (``nn.Embedding(max_norm=...)``).
+    exempt: bool = False
+
+    def written(self) -> bool:
+        return self.tensor._version != self.version
+
+
+def _watch(
+    where: str, module: nn.Module, stateful: bool, known: set[tuple[int, str, int]]
+) -> list[_Watched]:
+    """Watch ``module``'s parameters and buffers not in ``known``, copying what rule 1 copies.
+
+    A stateful module's buffers are rule 2's (`_copies`); its parameters are
+    copied here. Otherwise only buffers up to `SNAPSHOT_BYTES` are copied.
+    """
+    tables = ((True, module._parameters),) if stateful else (
+        (False, module._buffers), (True, module._parameters)
+    )
+    new = [
+        (parameter, table, name, t)
+        for parameter, table in tables
+        for name, t in table.items()
+        if isinstance(t, torch.Tensor) and (id(table), name, id(t)) not in known
+    ]
+    if not new:  # the common case: a module run again with the same tensors
+        return []
+    # nn.Embedding(max_norm=...) renormalizes its weight before reading it: a
+    # recompute renormalizes an already renormalized weight, which changes nothing.
+    renorms = isinstance(module, nn.Embedding) and module.max_norm is not None
+    watched = []
+    with _disable_current_modes(), torch.no_grad():  # our copies are no ops of the region
+        for parameter, table, name, t in new:
+            known.add((id(table), name, id(t)))
+            small = not parameter and t.numel() * t.element_size() <= SNAPSHOT_BYTES
+            snapshot = t.detach().clone() if stateful or small else None
+            watched.append(
+                _Watched(
+                    where, table, name, t, t._version, snapshot, parameter, parameter and renorms
+                )
+            )
+    return watched
+
+
+def _linked_copy(current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A tensor holding ``value`` whose gradient flows to ``current`` (identity).
+
+    The recompute of a parameter the forward wrote in place must read the value
+    the forward started from, and still differentiate the slot's tensor (under
+    torch.func the recompute's own graph carries the parameter's gradient).
+    """
+    if not current.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(current):
+        return value.clone()
+    with torch.enable_grad():
+        return current + (value - current).detach()
+
+
+_PLAIN_TYPES = (int, float, complex, bool, str, bytes, type(None))
+
+
+def _bound(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _plain(cell: types.CellType) -> bool:
+    """Whether ``cell`` holds a plain Python value (rule 2 restores those only)."""
+    return _bound(cell) and type(cell.cell_contents) in _PLAIN_TYPES
+
+
+def _has_grad_slot(t: Any) -> bool:
+    """Whether ``t`` is a plain leaf that autograd accumulates a ``.grad`` into."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.requires_grad
+        and t.is_leaf
+        and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+    )
+
+
+def _grad_state(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    # The tensor itself, not its id: a freed ``.grad``'s id may be reused.
+    grad = t.grad
+    return None if grad is None else (grad, grad._version)
+
+
+def _closure_cells(fn: Any) -> list[types.CellType]:
+    """The closure cells of ``fn`` (a function, bound method or partial) and of
+    the functions it closes over, one level down (a ``nonlocal`` helper)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    if not isinstance(fn, types.FunctionType):
+        return []
+    cells = list(fn.__closure__ or ())
+    for cell in list(cells):
+        inner = cell.cell_contents if _bound(cell) else None
+        if isinstance(inner, types.FunctionType):
+            cells.extend(c for c in inner.__closure__ or () if c not in cells)
+    return cells
+
+
+def _closed_over_leaves(fn: Any, cells: Iterable[types.CellType]) -> list[torch.Tensor]:
+    """Leaf tensors requiring grad in ``fn``'s cells, defaults and named globals (rule 3)."""
+    values = [cell.cell_contents for cell in cells if _bound(cell)]
+    target = getattr(fn, "__func__", fn)
+    if isinstance(target, types.FunctionType):
+        values.extend(target.__defaults__ or ())
+        scope = target.__globals__
+        values.extend(scope[name] for name in target.__code__.co_names if name in scope)
+    leaves: list[torch.Tensor] = []
+    for value in values:
+        if _has_grad_slot(value) and all(value is not t for t in leaves):
+            leaves.append(value)
+    return leaves
+
+
+def _unrestorable(watched: _Watched, label: str) -> RematError:
+    kind = "parameter" if watched.parameter else "buffer"
+    t = watched.tensor
+    why = (
+        "remat does not copy parameters on every forward"
+        if watched.parameter
+        else f"remat copies buffers of at most {SNAPSHOT_BYTES} bytes on every forward"
+    )
+    return RematError(
+        f"remat: the forward of {label} modified {kind} '{watched.name}' of {watched.where} "
+        f"(shape {tuple(t.shape)}) in place, so its recompute would start from the modified "
+        f"value and modify it again ({why}). Declare the module stateful "
+        "(module.remat_stateful = True, or remat.register_stateful(type(module))) so that "
+        "remat copies its state when the forward starts and the recompute changes nothing; "
+        "or make the update outside the rematerialized function; or use "
+        "policy='everything-saveable' for this region."
+    )
+
+
 def _replaced(current: torch.Tensor, pin: _Pin) -> bool:
     """Whether ``current`` is another tensor than the forward's, not a view of its memory.
 
@@ -157,7 +358,7 @@ class StateGuard:
        what the recompute computes. A new view of the same memory (FSDP's
        unsharded views) is left alone. A tensor modified in place after the
        forward (an optimizer step before backward, a second forward of a
-       non-stateful module that updates its buffer) raises
+       module that updates a buffer the forward did not write) raises
        `SavedInputMutatedError` instead of recomputing from the new values.
        Inside the torch.func engine the slots are its own (``_closure.py``
        snapshots them), so this rule stands aside.
@@ -166,6 +367,10 @@ class StateGuard:
        the recompute early. So the recompute computes with the numbers the
        forward used (BatchNorm's cumulative-average factor depends on
        ``num_batches_tracked``) and changes no real state.
+    3. What the forward wrote in place without registration (buffers, and
+       refused: parameters and large buffers), the function's closure cells
+       and ``.grad`` (NOTE [ State the forward changes ]) likewise: the
+       recompute starts from what the forward found and leaves what it found.
     """
 
     def __init__(
@@ -174,6 +379,8 @@ class StateGuard:
         roots: Iterable[nn.Module] = (),
         owners: Iterable[nn.Module] = (),
         watch: bool = True,
+        cells: Iterable[types.CellType] = (),
+        leaves: Iterable[torch.Tensor] = (),
     ) -> None:
         self.label = label
         self.watch = watch
@@ -183,13 +390,33 @@ class StateGuard:
         self.pins: list[_Pin] | None = None
         self._pinned_ids: set[int] = set()
         self._snapshotted: set[int] = set()
+        #: Slots of the modules the forward runs (NOTE [ State the forward changes ]
+        #: rule 1), and after it those the forward wrote in place.
+        self.watched: list[_Watched] = []
+        self.written: list[_Watched] = []
+        self._watch_keys: set[tuple[int, str, int]] = set()
+        #: While recomputing: (id(table), name) -> the start value of every slot
+        #: the recompute gets a copy in; and the copy each holds now.
+        self._swaps: dict[tuple[int, str], torch.Tensor] | None = None
+        self._installed: dict[tuple[int, str], torch.Tensor] = {}
+        self._reswapped: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
+        #: Closure cells of plain values, with their values when the forward started (rule 2).
+        self.cells = list(cells)
+        self.cell_start: list[tuple[types.CellType, Any]] = []
+        #: Leaves whose ``.grad`` an inner backward may change (rule 3), with its
+        #: state when watched; after the forward, those it changed.
+        self._grad_leaves = [t for t in leaves if _has_grad_slot(t)]
+        self.grad_watch: list[tuple[torch.Tensor, Any]] = []
+        #: (leaf, whether its ``.grad`` was None when the forward started).
+        self.grads_written: list[tuple[torch.Tensor, bool]] = []
 
     @contextlib.contextmanager
     def guarded(self) -> Iterator[None]:
         if self.pins is None:  # this call's forward (perhaps inside an outer recompute)
             yield from self._forward()
         else:
-            with self._pinned():
+            self._refuse_unrestorable()
+            with self._pinned(), self._cells_restored(), self._grads_kept():
                 yield from self._swapped()
 
     # -- forward -------------------------------------------------------------
@@ -198,6 +425,8 @@ class StateGuard:
         self.seen, self.pins = [], []
         if local.slot_swaps:  # the torch.func engine's own snapshot is in charge of pins
             self.pins = None
+        self.cell_start = [(cell, cell.cell_contents) for cell in self.cells if _plain(cell)]
+        self.grad_watch = [(t, _grad_state(t)) for t in self._grad_leaves]
         for owner in self.owners:
             self._pin(type(owner).__qualname__, owner, recurse=False)
             self._snapshot_stateful(owner)  # children it may call as ``child.forward(x)``
@@ -207,10 +436,30 @@ class StateGuard:
             yield
         if self.pins is None:
             self.pins = []
+        self._note_writes()
         # Versions as the forward left them: a module that writes its own parameter
         # in forward (``nn.Embedding(max_norm=...)``) writes it again in the recompute.
         for pin in self.pins:
             pin.version, pin.storage = pin.tensor._version, storage_of(pin.tensor)
+
+    def _note_writes(self) -> None:
+        """Keep what the forward wrote in place (rules 1 and 3); drop the other copies."""
+        written: dict[tuple[int, str], _Watched] = {}
+        for w in self.watched:  # per slot, the first tensor the forward wrote
+            if w.written() and not w.exempt:
+                written.setdefault((id(w.table), w.name), w)
+        self.written = list(written.values())
+        self.watched = []
+        self._watch_keys = set()
+        self.grads_written = [
+            (t, state is None) for t, state in self.grad_watch if _grad_state(t) != state
+        ]
+        self.grad_watch = []
+        # What the recompute gets back as the forward found it is state, like a
+        # stateful module's: a second forward that writes it again is no mutation.
+        restored = {(id(w.table), w.name) for w in self.written if w.snapshot is not None}
+        assert self.pins is not None, "this is a bug in remat, please report it"
+        self.pins = [p for p in self.pins if (id(p.table), p.name) not in restored]
 
     def _snapshot_stateful(self, owner: nn.Module) -> None:
         for sub in owner.modules():
@@ -220,9 +469,18 @@ class StateGuard:
                 self.seen.extend(_copies(sub))
 
     def saw(self, module: nn.Module) -> None:
-        """The forward is about to run ``module``: pin its subtree if not pinned yet."""
-        if id(module) not in self._pinned_ids:
+        """The forward is about to run ``module``: pin its subtree if not pinned yet.
+
+        A module pinned already is watched again: its slots may hold other
+        tensors now (``functional_call`` inside the region). In the recompute,
+        such slots get the copies again (`_reswap`).
+        """
+        if self._swaps is not None:
+            self._reswap(module)
+        elif id(module) not in self._pinned_ids:
             self._pin(type(module).__qualname__, module, recurse=True)
+        else:
+            self._watch(type(module).__qualname__, module, is_stateful(module))
 
     def _pin(self, where: str, module: nn.Module, recurse: bool) -> None:
         named = module.named_modules(remove_duplicate=False) if recurse else [("", module)]
@@ -232,6 +490,7 @@ class StateGuard:
             self._pinned_ids.add(id(sub))
             path = f"{where}.{prefix}" if prefix else where
             stateful = is_stateful(sub)
+            self._watch(path, sub, stateful)
             if stateful and self.seen is not None and id(sub) not in self._snapshotted:
                 self._snapshotted.add(id(sub))
                 self.seen.extend(_copies(sub))
@@ -240,7 +499,53 @@ class StateGuard:
                 if not stateful:  # stateful buffers: rule 2 instead
                     self.pins.extend(_pins(path, sub._buffers, parameter=False))
 
+    def _watch(self, path: str, module: nn.Module, stateful: bool) -> None:
+        watched = _watch(path, module, stateful, self._watch_keys)
+        self.watched.extend(watched)
+        for w in watched:
+            if w.parameter and _has_grad_slot(w.tensor):
+                self.grad_watch.append((w.tensor, _grad_state(w.tensor)))
+
     # -- recompute -----------------------------------------------------------
+
+    def _refuse_unrestorable(self) -> None:
+        for watched in self.written:
+            if watched.snapshot is None:
+                raise _unrestorable(watched, self.label)
+
+    @contextlib.contextmanager
+    def _cells_restored(self) -> Iterator[None]:
+        """Run the recompute with the cells as the forward found them (rule 2)."""
+        before = [(cell, cell.cell_contents) for cell, _ in self.cell_start if _bound(cell)]
+        for cell, start in self.cell_start:
+            cell.cell_contents = start
+        try:
+            yield
+        finally:
+            for cell, value in before:
+                cell.cell_contents = value
+
+    @contextlib.contextmanager
+    def _grads_kept(self) -> Iterator[None]:
+        """Undo what the recompute's inner backward accumulates into ``.grad`` (rule 3)."""
+        if not self.grads_written:
+            yield
+            return
+        kept = []
+        with _disable_current_modes(), torch.no_grad():
+            for t, started_empty in self.grads_written:
+                grad = t.grad
+                kept.append((t, grad, None if grad is None else grad.clone()))
+                if started_empty:  # accumulate as the forward did: into nothing
+                    t.grad = None
+        try:
+            yield
+        finally:
+            with _disable_current_modes(), torch.no_grad():
+                for t, grad, value in kept:
+                    if grad is not None and value is not None:
+                        grad.copy_(value)  # autograd accumulates in place when it can
+                    t.grad = grad
 
     @contextlib.contextmanager
     def _pinned(self) -> Iterator[None]:
@@ -285,19 +590,47 @@ class StateGuard:
         )
 
     def _swapped(self) -> Iterator[None]:
-        copies = self.seen or []
+        copies = [(table, name, value) for table, name, value in self.seen or []]
+        copies.extend((w.table, w.name, w.snapshot) for w in self.written if w.snapshot is not None)
         if not copies:
             yield
             return
         originals = [(table, name, table[name]) for table, name, _ in copies]
+        self._swaps = {(id(table), name): value for table, name, value in copies}
         try:
-            with _disable_current_modes(), torch.no_grad():
-                for table, name, value in copies:
-                    table[name] = value.clone()  # the recompute may write to it
-            yield
+            for table, name, _ in copies:
+                self._install(table, name)
+            with _watching(self) if self.watch else contextlib.nullcontext():
+                yield
         finally:
+            self._swaps = None
+            for table, name, replaced, copy in reversed(self._reswapped):
+                if table.get(name) is copy:  # else whoever replaced it put theirs back
+                    table[name] = replaced
+            self._reswapped, self._installed = [], {}
             for table, name, buffer in reversed(originals):
                 table[name] = buffer
+
+    def _install(self, table: dict[str, Any], name: str) -> torch.Tensor:
+        """Put a fresh copy of the slot's start value in it, for the recompute to write to."""
+        assert self._swaps is not None, "this is a bug in remat, please report it"
+        value = self._swaps[id(table), name]
+        with _disable_current_modes(), torch.no_grad():
+            # What is differentiated keeps its gradient (a parameter; a buffer
+            # passed to functional_call).
+            copy = _linked_copy(table[name], value)
+        table[name] = self._installed[id(table), name] = copy
+        return copy
+
+    def _reswap(self, module: nn.Module) -> None:
+        """Recompute: slots given other tensors since it started get copies again."""
+        assert self._swaps is not None, "this is a bug in remat, please report it"
+        for table in (module._buffers, module._parameters):
+            for name, current in list(table.items()):
+                key = (id(table), name)
+                if key in self._swaps and current is not self._installed.get(key):
+                    assert isinstance(current, torch.Tensor), "this is a bug in remat"
+                    self._reswapped.append((table, name, current, self._install(table, name)))
 
 
 def _copies(module: nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
@@ -386,4 +719,5 @@ def state_guard_of(
             continue
         if isinstance(value, nn.Module):
             owners.append(value)
-    return StateGuard(label, roots, owners)
+    cells = _closure_cells(fn)
+    return StateGuard(label, roots, owners, cells=cells, leaves=_closed_over_leaves(fn, cells))

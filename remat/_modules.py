@@ -15,8 +15,10 @@ NOTE [ Wrapped modules ]
 3. Module state: a `_Forward` (and a `sequential` segment) runs its modules
    under a `StateGuard` (``_module_state.py``), so stateful modules
    (BatchNorm) change their buffers once per real forward and recompute with
-   the state the forward saw. Python-level state (counters, caches) is the
-   user's to guard with `remat.is_recomputing`.
+   the state the forward saw; so do buffers the forward writes, without
+   registration (NOTE [ State the forward changes ] in ``_module_state.py``).
+   Python-level state (attributes, caches) is the user's to guard with
+   `remat.is_recomputing`.
 4. Idempotent: wrapping a wrapped module replaces its policy and options (the
    original ``forward`` is kept), so wrapping twice with the same arguments is a
    no-op. `unwrap` restores the instance attribute the module had before (or

@@ -1,11 +1,27 @@
 """Capture and restore the random state a region's forward saw, so that its
-recompute draws the same dropout masks; refuse a recompute that cannot."""
+recompute draws the same dropout masks; refuse a recompute that cannot.
+
+NOTE [ Explicit generators ]
+A ``torch.Generator`` passed to an op (``torch.rand(..., generator=g)``)
+advances like the default ones, so the recompute would draw other numbers.
+`generators_of` finds the generators a region can reach: among its call's
+arguments, and in what its function reaches (closure cells, default
+arguments, the globals its code names, attributes of a bound method's object,
+of modules and their submodules, of objects and containers held there, a few
+levels deep and a few dozen items wide). Their states are captured with the default generators' and
+restored for the recompute. A generator reached otherwise (returned by a
+function call) is not found: the docs say to pass it as an argument.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
+import types
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
@@ -13,56 +29,145 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ._errors import RematError
 
-__all__ = ["RngState", "check_batched_recompute", "vmap_levels"]
+__all__ = ["RngState", "check_batched_recompute", "generators_of", "vmap_levels"]
 
 _VMAP = torch._C._functorch.TransformType.Vmap
 
 
 @dataclasses.dataclass(frozen=True)
 class RngState:
-    """The CPU generator state and the state of every CUDA device the inputs live on."""
+    """The CPU generator state, the state of every CUDA device the inputs live on,
+    and the states of the explicit generators the region reaches."""
 
     cpu: torch.Tensor
     cuda: tuple[tuple[int, torch.Tensor], ...]
+    generators: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
 
     @classmethod
-    def capture(cls, tensors: Iterable[torch.Tensor]) -> RngState:
-        """Snapshot the generators that ops on ``tensors`` (or on the CPU) draw from."""
+    def capture(
+        cls, tensors: Iterable[torch.Tensor], generators: Iterable[torch.Generator] = ()
+    ) -> RngState:
+        """Snapshot the generators that ops on ``tensors`` (or on the CPU) draw from,
+        and ``generators`` (see `generators_of`)."""
         devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
         if devices and not torch.cuda.is_initialized():
             devices = []  # an uninitialized CUDA context has drawn nothing yet
         if not devices and torch.cuda.is_available() and torch.cuda.is_initialized():
             devices = [torch.cuda.current_device()]
         cuda = tuple((d, torch.cuda.get_rng_state(d)) for d in devices)
-        return cls(torch.get_rng_state(), cuda)
+        explicit = tuple((g, g.get_state()) for g in generators)
+        return cls(torch.get_rng_state(), cuda, explicit)
 
     def now(self) -> RngState:
         """The same generators' states now (cheap: the forward's end keeps one)."""
         cuda = tuple((d, torch.cuda.get_rng_state(d)) for d, _ in self.cuda)
-        return RngState(torch.get_rng_state(), cuda)
+        explicit = tuple((g, g.get_state()) for g, _ in self.generators)
+        return RngState(torch.get_rng_state(), cuda, explicit)
 
     def differs(self, other: RngState) -> bool:
         """Whether a generator moved between ``self`` and ``other``."""
         with _disable_current_modes():  # our comparison is no op of an enclosing region
             if not torch.equal(other.cpu, self.cpu):
                 return True
-            pairs = zip(self.cuda, other.cuda, strict=True)
-            return any(not torch.equal(a, b) for (_, a), (_, b) in pairs)
+            states = [(a, b) for (_, a), (_, b) in zip(self.cuda, other.cuda, strict=True)]
+            pairs = zip(self.generators, other.generators, strict=True)
+            states += [(a, b) for (_, a), (_, b) in pairs]
+            return any(not torch.equal(a, b) for a, b in states)
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
         """Run the block with the captured state, then put the current state back."""
         cpu_now = torch.get_rng_state()
         cuda_now = [(d, torch.cuda.get_rng_state(d)) for d, _ in self.cuda]
+        explicit_now = [(g, g.get_state()) for g, _ in self.generators]
         torch.set_rng_state(self.cpu)
         for device, state in self.cuda:
             torch.cuda.set_rng_state(state, device)
+        for generator, state in self.generators:
+            generator.set_state(state)
         try:
             yield
         finally:
             torch.set_rng_state(cpu_now)
             for device, state in cuda_now:
                 torch.cuda.set_rng_state(state, device)
+            for generator, state in explicit_now:
+                generator.set_state(state)
+
+
+_MAX_DEPTH = 4
+#: Items looked at in one container (a closed-over dataset is no place for generators).
+_MAX_ITEMS = 64
+#: Values that hold no generator (most of what a walk meets: module flags, sizes).
+_ATOMS = frozenset({int, float, bool, str, bytes, type(None), torch.Tensor, torch.nn.Parameter})
+
+
+def generators_of(fn: Any, leaves: Iterable[Any] = ()) -> list[torch.Generator]:
+    """The ``torch.Generator``s a region's call can reach (NOTE [ Explicit generators ])."""
+    found: list[torch.Generator] = []
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if type(obj) in _ATOMS or depth > _MAX_DEPTH or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Generator):
+            found.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            for item in itertools.islice(obj, _MAX_ITEMS):
+                visit(item, depth + 1)
+        elif isinstance(obj, dict):
+            for item in itertools.islice(obj.values(), _MAX_ITEMS):
+                visit(item, depth + 1)
+        elif isinstance(obj, functools.partial):
+            visit(obj.func, depth + 1)
+            visit(obj.args, depth + 1)
+            visit(obj.keywords, depth + 1)
+        elif isinstance(obj, types.MethodType):
+            visit(obj.__self__, depth + 1)
+            visit(obj.__func__, depth + 1)
+        elif isinstance(obj, types.FunctionType):
+            visit_function(obj, depth)
+        elif isinstance(obj, torch.nn.Module):
+            for sub in obj.modules():  # its own attributes and every submodule's
+                seen.add(id(sub))
+                for key, value in vars(sub).items():
+                    if not key.startswith("_"):
+                        visit(value, depth + 1)
+                visit(type(sub).forward, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(
+            obj, (type, types.ModuleType, torch.Tensor)
+        ):
+            visit(vars(obj), depth + 1)
+            visit(vars(type(obj)).get("__call__"), depth + 1)  # a callable object's code
+
+    def visit_function(fn: types.FunctionType, depth: int) -> None:
+        for cell in fn.__closure__ or ():
+            try:
+                visit(cell.cell_contents, depth + 1)
+            except ValueError:  # an empty cell
+                continue
+        visit(fn.__defaults__, depth + 1)
+        visit(fn.__kwdefaults__, depth + 1)
+        scope = fn.__globals__
+        for name in _names(fn.__code__):
+            if name in scope:
+                visit(scope[name], depth + 1)
+
+    for leaf in leaves:
+        visit(leaf, 0)
+    visit(fn, 0)
+    return found
+
+
+@functools.lru_cache(maxsize=1024)
+def _names(code: types.CodeType) -> tuple[str, ...]:
+    """The names ``code`` (and code nested in it) may look up as globals."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.extend(_names(const))
+    return tuple(dict.fromkeys(names))
 
 
 def vmap_levels() -> frozenset[int]:

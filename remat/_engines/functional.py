@@ -120,11 +120,12 @@ from .._autocast import AutocastState
 from .._closure import Bindings, find_closed_over
 from .._compile import uncompiled
 from .._errors import RematError
+from .._module_state import state_guard_of
 from .._offload import Offloaded, current_store, next_serial, offload, placeholder_for
 from .._pytree import check_outputs_visible, flatten_region_io
 from .._region import Region
 from .._replay import OpLog, OpRecord, RecordMode, ReplayMode, physical, storage_address
-from .._rng import RngState, check_batched_recompute, vmap_levels
+from .._rng import RngState, check_batched_recompute, generators_of, vmap_levels
 from .._state import is_recomputing, local, recomputing
 from ..policies import Decision, Policy
 from ._escapes import EscapeWatch
@@ -223,6 +224,11 @@ class _Call:
         if bindings is None:
             bindings = find_closed_over(fn, _argument_objects(leaves, region.label))
         self.bindings: Bindings = bindings
+        #: The user's function (``self.fn`` numbers its calls), for the generator search.
+        self.user_fn = fn
+        #: Module buffers, closure cells and ``.grad`` the forward changes, changed
+        #: once (NOTE [ State the forward changes ] in ``_module_state.py``).
+        self.state = state_guard_of(fn, leaves, region.label)
         self.inputs: tuple[torch.Tensor, ...] = (
             *(leaves[i] for i in self.tensor_positions),
             *self.bindings.tensors,
@@ -256,7 +262,7 @@ class _Call:
         for position, tensor in zip(self.tensor_positions, tensors[:count], strict=True):
             leaves[position] = tensor
         args, kwargs = optree.tree_unflatten(self.treedef, leaves)
-        with self.bindings.swapped(tensors[count:]):
+        with self.bindings.swapped(tensors[count:]), self.state.guarded():
             out = self.fn(*args, **kwargs)
         out_leaves, out_treedef = flatten_region_io(out)
         positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
@@ -338,7 +344,7 @@ class _Call:
     def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The region's forward: record what the policy keeps, guard against hidden inputs."""
         if self.region.preserve_rng_state:
-            self.rng = RngState.capture(tensors)
+            self.rng = RngState.capture(tensors, generators_of(self.user_fn, self.leaves))
         with _HiddenInputGuard(self, tensors) as self.guard, _Births(self.guard), self.watch(
             tensors
         ):

@@ -67,7 +67,7 @@ from .._offload import (
 from .._pytree import check_outputs_visible, flatten, flatten_region_io, tensor_leaves, tree_map
 from .._region import Region
 from .._replay import TAG, OpLog, OpRecord, RecordMode, ReplayMode, side_by_side
-from .._rng import RngState, check_batched_recompute
+from .._rng import RngState, check_batched_recompute, generators_of
 from .._state import local, recomputing
 from ..policies import Decision
 
@@ -125,7 +125,11 @@ class Frame:
         self.check = region.determinism_check
         #: (shape, dtype, device) of each saved tensor; kept only for the determinism check.
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
-        self.rng = RngState.capture(self.inputs) if region.preserve_rng_state else None
+        self.rng = (
+            RngState.capture(self.inputs, generators_of(region.fn, leaves))
+            if region.preserve_rng_state
+            else None
+        )
         #: The generators' states when the forward ended: did it draw random numbers?
         self.rng_after: RngState | None = None
         self.autocast = AutocastState.capture()
@@ -470,6 +474,14 @@ class Frame:
 
     def _recompute_context(self, replay: ReplayMode | None) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
+        try:
+            self._enter_recompute(stack, replay)
+        except BaseException:
+            stack.close()  # a context that refuses (the state guard) leaves none entered
+            raise
+        return stack
+
+    def _enter_recompute(self, stack: contextlib.ExitStack, replay: ReplayMode | None) -> None:
         self.phase = "recompute"
         stack.enter_context(_pushed(self))
         stack.enter_context(torch.enable_grad())
@@ -481,7 +493,6 @@ class Frame:
         if replay is not None:
             stack.enter_context(replay)
         stack.enter_context(self.state_guard.guarded())
-        return stack
 
     def collect(
         self, value: torch.Tensor | Holder, t: torch.Tensor | None = None
