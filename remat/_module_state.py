@@ -64,7 +64,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ._compile import uncompiled
 from ._errors import RematError, SavedInputMutatedError
-from ._state import local
+from ._state import entered_internally, internal, local
 
 __all__ = [
     "SNAPSHOT_BYTES",
@@ -216,7 +216,8 @@ def _watch(
     # recompute renormalizes an already renormalized weight, which changes nothing.
     renorms = isinstance(module, nn.Embedding) and module.max_norm is not None
     watched = []
-    with _disable_current_modes(), torch.no_grad():  # our copies are no ops of the region
+    # Our copies are no ops of the region (nor calls of its function).
+    with _disable_current_modes(), internal(), torch.no_grad():
         for parameter, table, name, t in new:
             known.add((id(table), name, id(t)))
             small = not parameter and t.numel() * t.element_size() <= SNAPSHOT_BYTES
@@ -236,10 +237,13 @@ def _linked_copy(current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     the forward started from, and still differentiate the slot's tensor (under
     torch.func the recompute's own graph carries the parameter's gradient).
     """
-    if not current.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(current):
-        return value.clone()
-    with torch.enable_grad():
-        return current + (value - current).detach()
+    with internal():
+        if not current.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(
+            current
+        ):
+            return value.clone()
+        with torch.enable_grad():
+            return current + (value - current).detach()
 
 
 _PLAIN_TYPES = (int, float, complex, bool, str, bytes, type(None))
@@ -410,8 +414,16 @@ class StateGuard:
         #: (leaf, whether its ``.grad`` was None when the forward started).
         self.grads_written: list[tuple[torch.Tensor, bool]] = []
 
+    def guarded(self) -> contextlib.AbstractContextManager[None]:
+        """Snapshot (forward) or restore (recompute) the state around the block.
+
+        The guard's own tensor reads (versions, ``.grad``) are remat's work, not
+        calls of the region's function (`entered_internally`).
+        """
+        return entered_internally(self._guarded())
+
     @contextlib.contextmanager
-    def guarded(self) -> Iterator[None]:
+    def _guarded(self) -> Iterator[None]:
         if self.pins is None:  # this call's forward (perhaps inside an outer recompute)
             yield from self._forward()
         else:
@@ -532,7 +544,7 @@ class StateGuard:
             yield
             return
         kept = []
-        with _disable_current_modes(), torch.no_grad():
+        with _disable_current_modes(), internal(), torch.no_grad():
             for t, started_empty in self.grads_written:
                 grad = t.grad
                 kept.append((t, grad, None if grad is None else grad.clone()))
@@ -541,7 +553,7 @@ class StateGuard:
         try:
             yield
         finally:
-            with _disable_current_modes(), torch.no_grad():
+            with _disable_current_modes(), internal(), torch.no_grad():
                 for t, grad, value in kept:
                     if grad is not None and value is not None:
                         grad.copy_(value)  # autograd accumulates in place when it can
@@ -636,7 +648,7 @@ class StateGuard:
 def _copies(module: nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
     """Snapshots of ``module``'s buffers, before its forward changes them."""
     # Outside the record/replay modes: the copies are not ops of the region.
-    with _disable_current_modes(), torch.no_grad():
+    with _disable_current_modes(), internal(), torch.no_grad():
         return [
             (module._buffers, name, buffer.clone())
             for name, buffer in module._buffers.items()
@@ -680,8 +692,9 @@ def _pre_hook(module: nn.Module, args: Any) -> None:
 
 
 def _saw(module: nn.Module) -> None:
-    for guard in local.__dict__.get("watching", ()):
-        guard.saw(module)
+    with internal():
+        for guard in local.__dict__.get("watching", ()):
+            guard.saw(module)
 
 
 def state_guard_of(

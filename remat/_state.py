@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
-__all__ = ["is_recomputing", "recomputing", "local"]
+__all__ = ["entered_internally", "internal", "is_recomputing", "recomputing", "local"]
 
 
 class _Local(threading.local):
@@ -22,6 +23,9 @@ class _Local(threading.local):
         self.last_region: Any = None
         #: The same for the torch.func engine: the op log of its last `save_last` region.
         self.last_functional_log: Any = None
+        #: How many of remat's own blocks of tensor work (snapshots, copies) are running
+        #: inside a user function: calls made there are not the function's (`internal`).
+        self.internal_depth = 0
         #: How many torch.func-engine calls have their closed-over slots swapped (they own
         #: the module slots then; see `_closure.Bindings.swapped`).
         self.slot_swaps = 0
@@ -63,3 +67,33 @@ def recomputing() -> Iterator[None]:
         yield
     finally:
         local.recompute_depth -= 1
+
+
+@contextlib.contextmanager
+def internal() -> Iterator[None]:
+    """Mark tensor work remat does inside a user function (a buffer snapshot) as its own.
+
+    Code that numbers the function's torch calls (NOTE [ Escaped tensors ]) skips
+    these, so the forward and the recompute number the same calls alike.
+    """
+    local.internal_depth += 1
+    try:
+        yield
+    finally:
+        local.internal_depth -= 1
+
+
+@contextlib.contextmanager
+def entered_internally(manager: AbstractContextManager[Any]) -> Iterator[None]:
+    """Enter and exit ``manager`` as remat's own work (`internal`); its body is not."""
+    with internal():
+        manager.__enter__()
+    try:
+        yield
+    except BaseException as error:
+        with internal():
+            if not manager.__exit__(type(error), error, error.__traceback__):
+                raise
+    else:
+        with internal():
+            manager.__exit__(None, None, None)

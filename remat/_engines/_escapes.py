@@ -53,6 +53,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .._errors import RematError
+from .._state import local
 
 __all__ = ["EscapeWatch"]
 
@@ -120,7 +121,7 @@ class EscapeWatch(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.active and self.wanted is not None:
+        if self.active and self.wanted is not None and not local.internal_depth:
             index = self.count
             self.count += 1
             self._capture(index, func, out)
@@ -161,7 +162,7 @@ class EscapeWatch(TorchFunctionMode):
         ``arg_leaves`` are the leaves of ``(args, kwargs)``, ``leaves`` those of its
         output with ``none_is_leaf=True`` (as `_capture` numbers them).
         """
-        if not (self.noting and self.active):
+        if not (self.noting and self.active) or local.internal_depth:
             return
         index = self.count
         self.count += 1
