@@ -55,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _ops
 from ._errors import NondeterministicRecomputeError, RematError
+from ._signature import CURES
 from ._state import local
 from .policies import Decision, Policy
 
@@ -594,13 +595,10 @@ class ReplayMode(TorchDispatchMode):
                 f"{func} got the numbers {forward_scalars} in the forward and "
                 f"{recompute_scalars} in the recompute (Python state it reads changed)"
             )
+        # determinism_check=False is no cure: it skips only the numbers' comparison.
         return NondeterministicRecomputeError(
             f"remat: the recompute of {self.log.label} differs from its forward at op "
-            f"#{index}: {what}.\n"
-            "The function must run the same ops on every call: make control flow and the "
-            "numbers it uses depend only on its inputs and static arguments, or use "
-            "policy='everything-saveable' for this region (determinism_check=False if the "
-            "difference is expected). Pass debug=True to remat.remat to see both op logs.\n"
+            f"#{index}: {what}. Its gradients would be wrong. {CURES}\n"
             + side_by_side(forward, [str(f) for f in self.ran])
         )
 
