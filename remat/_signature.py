@@ -11,12 +11,13 @@ NOTE [ Recompute signatures ]
    ``grad_fn`` is outside the region, and the recompute's detached copies have
    none). The recompute's k-th saved tensor must have the forward's k-th
    signature (`saved_signature`).
-3. torch.func engine: a `TraceMode` (a `TorchFunctionMode` around ``fn`` only)
-   records each Python-level torch call with the shapes and dtypes of its tensor
-   arguments in the forward (`OpTrace`), and compares the recompute's calls with
-   them. Python-level calls, not aten ops: the plain forward (no ``vjp`` under
-   ``nothing-saveable``) and the recompute (under ``vjp``) decompose composite
-   ops differently, but call the same functions on the same logical shapes.
+3. torch.func engine: the forward's hidden-input guard (a `TorchFunctionMode`
+   that sees every call anyway) records each Python-level torch call of ``fn``
+   with the shapes and dtypes of its tensor arguments (`OpTrace`); a `TraceMode`
+   around ``fn`` in each recompute compares its calls with them. Python-level
+   calls, not aten ops: the plain forward (no ``vjp`` under ``nothing-saveable``)
+   and the recompute (under ``vjp``) decompose composite ops differently, but
+   call the same functions on the same logical shapes.
    A region called inside the traced one is one entry (its label and input
    shapes): its machinery differs between forward and recompute, and it checks
    its own body.
@@ -117,7 +118,12 @@ _local = _Local()
 
 
 class OpTrace:
-    """The forward's calls of one region call, and the check of each recompute against them."""
+    """The forward's calls of one region call, and the check of each recompute against them.
+
+    The forward is recorded through the engine's hidden-input guard, a
+    `TorchFunctionMode` that sees every call anyway (`offer`): no second mode
+    there. A recompute runs under a `TraceMode` of its own.
+    """
 
     def __init__(self, label: str, enabled: bool) -> None:
         self.label = label
@@ -129,16 +135,34 @@ class OpTrace:
         """Around one run of ``fn``: record it (the first run) or check it against the record."""
         if not self.enabled:
             return contextlib.nullcontext()
-        return TraceMode(self)
+        if self.recorded:
+            return TraceMode(self)
+        return self._recording()
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[None]:
+        _local.stack.append(self)
+        try:
+            yield
+        finally:
+            _local.stack.pop()
+        self.recorded = True
+
+    def offer(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> None:
+        """A call the guard saw: recorded while ``fn`` of this call runs, outside inner regions."""
+        if _local.stack and _local.stack[-1] is self:
+            self.calls.append((func, _arg_shapes(args, kwargs)))
+
+    def note(self, call: Call) -> None:
+        self.calls.append(call)
 
 
 class TraceMode(TorchFunctionMode):
-    """Record or check every torch call of ``fn`` (NOTE rule 3)."""
+    """Check every torch call of a recompute of ``fn`` against the forward's (NOTE rule 3)."""
 
     def __init__(self, trace: OpTrace) -> None:
         super().__init__()
         self.trace = trace
-        self.check = trace.recorded
         self.index = 0
 
     def __enter__(self) -> TraceMode:
@@ -149,24 +173,17 @@ class TraceMode(TorchFunctionMode):
     def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
         _local.stack.pop()
         super().__exit__(kind, value, tb)  # type: ignore[no-untyped-call]
-        if kind is not None:
-            return
-        if self.check and self.index != len(self.trace.calls):
+        if kind is None and self.index != len(self.trace.calls):
             raise self.mismatch(None)
-        self.trace.recorded = True
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         if _local.stack and _local.stack[-1] is self:  # not inside an inner region
-            tree: Any = (args, kwargs)
-            self.note((func, _shapes(optree.tree_leaves(tree, none_is_leaf=False))))
+            self.note((func, _arg_shapes(args, kwargs)))
         return func(*args, **(kwargs or {}))
 
     def note(self, call: Call) -> None:
-        if not self.check:
-            self.trace.calls.append(call)
-            return
         calls = self.trace.calls
         if self.index >= len(calls) or calls[self.index] != call:
             raise self.mismatch(call)
@@ -197,6 +214,17 @@ def inner_region(label: str, inputs: Any) -> Iterator[None]:
 
 def _shapes(leaves: Sequence[Any]) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     return tuple((x.shape, x.dtype) for x in leaves if isinstance(x, torch.Tensor))
+
+
+def _arg_shapes(args: tuple[Any, ...], kwargs: Any) -> tuple[tuple[torch.Size, torch.dtype], ...]:
+    """(shape, dtype) of the tensors among a call's arguments and in their lists (a hot path)."""
+    found: list[tuple[torch.Size, torch.dtype]] = []
+    for arg in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(arg, torch.Tensor):
+            found.append((arg.shape, arg.dtype))
+        elif isinstance(arg, (list, tuple)):
+            found.extend((t.shape, t.dtype) for t in arg if isinstance(t, torch.Tensor))
+    return tuple(found)
 
 
 def _describe_call(call: Call | None) -> str:

@@ -576,6 +576,7 @@ class _HiddenInputGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         tree: Any = (args, kwargs)
         leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=False)
+        self.call.trace.offer(func, args, kwargs)  # NOTE [ Recompute signatures ]
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and id(leaf) not in self.known:
                 self.check(leaf, func)
