@@ -110,8 +110,9 @@ Call = tuple[Any, tuple[tuple[torch.Size, torch.dtype], ...]]
 
 class _Local(threading.local):
     def __init__(self) -> None:
-        #: Active trace modes, innermost last; None while a region inside one runs.
-        self.stack: list[TraceMode | None] = []
+        #: Runs of ``fn`` being traced (recorded or checked), innermost last; None
+        #: while a region called inside one runs.
+        self.stack: list[TraceMode | OpTrace | None] = []
 
 
 _local = _Local()
