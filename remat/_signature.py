@@ -45,6 +45,7 @@ from ._errors import NondeterministicRecomputeError
 __all__ = [
     "CURES",
     "OpTrace",
+    "arg_shapes",
     "divergence",
     "inner_region",
     "saved_signature",
@@ -152,7 +153,7 @@ class OpTrace:
     def offer(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> None:
         """A call the guard saw: recorded while ``fn`` of this call runs, outside inner regions."""
         if _local.stack and _local.stack[-1] is self:
-            self.calls.append((func, _arg_shapes(args, kwargs)))
+            self.calls.append((func, arg_shapes(args, kwargs)))
 
     def note(self, call: Call) -> None:
         self.calls.append(call)
@@ -181,7 +182,7 @@ class TraceMode(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         if _local.stack and _local.stack[-1] is self:  # not inside an inner region
-            self.note((func, _arg_shapes(args, kwargs)))
+            self.note((func, arg_shapes(args, kwargs)))
         return func(*args, **(kwargs or {}))
 
     def note(self, call: Call) -> None:
@@ -217,7 +218,7 @@ def _shapes(leaves: Sequence[Any]) -> tuple[tuple[torch.Size, torch.dtype], ...]
     return tuple((x.shape, x.dtype) for x in leaves if isinstance(x, torch.Tensor))
 
 
-def _arg_shapes(args: tuple[Any, ...], kwargs: Any) -> tuple[tuple[torch.Size, torch.dtype], ...]:
+def arg_shapes(args: tuple[Any, ...], kwargs: Any) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """(shape, dtype) of the tensors among a call's arguments and in their lists (a hot path)."""
     found: list[tuple[torch.Size, torch.dtype]] = []
     for arg in (*args, *kwargs.values()) if kwargs else args:
