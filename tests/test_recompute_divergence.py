@@ -261,11 +261,17 @@ def _gpt2_grads(engine: Engine, model: torch.nn.Module, **kwargs: Any) -> dict[s
     return torch.func.grad(loss)(params)  # type: ignore[no-any-return]
 
 
+@pytest.fixture(scope="module")
+def gpt2_reference() -> dict[str, torch.Tensor]:
+    """GPT-2's gradients without remat (computed once for the module)."""
+    return _gpt2_grads(Engine("functional"), _gpt2(None), use_cache=False)
+
+
 @pytest.mark.parametrize("policy", ("nothing-saveable", "dots-saveable"))
 def test_gpt2_with_its_default_cache_raises_and_use_cache_false_fixes(
-    engine: Engine, policy: str
+    engine: Engine, policy: str, gpt2_reference: dict[str, torch.Tensor]
 ) -> None:
-    expected = _gpt2_grads(Engine("functional"), _gpt2(None), use_cache=False)
+    expected = gpt2_reference
     with pytest.raises(remat.NondeterministicRecomputeError) as info:
         _gpt2_grads(engine, _gpt2(policy))
     message = str(info.value)
