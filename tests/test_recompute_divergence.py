@@ -296,3 +296,33 @@ def test_a_replay_given_other_shapes_raises_without_the_determinism_check(
     if engine.name == "eager" and policy == "save-last":
         pytest.skip("eager save-last recomputes the first region without replay: no kept op")
     _raises_naming(engine, program, region_fn, x, w)
+
+
+def pair_or_single(x: torch.Tensor, w: torch.Tensor, pair: bool | None = None) -> Any:
+    """Same ops either way; the flag changes only the output structure."""
+    y = (x @ w).sin()
+    return (y, y * 0) if (_FLAG["sin"] if pair is None else pair) else (y,)
+
+
+def test_another_output_structure_is_right_or_raises_and_an_argument_fixes(
+    engine: Engine,
+) -> None:
+    def program_of(block: Fn, pass_flag: bool = False) -> Fn:
+        def program(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            _FLAG["sin"] = True
+            out = block(x, w, pair=True) if pass_flag else block(x, w)
+            _FLAG["sin"] = False
+            return out[0].pow(2).sum()  # type: ignore[no-any-return]
+
+        return program
+
+    x, w = _inputs()
+    expected = _reference(program_of(pair_or_single), x, w)
+    region = engine.remat(pair_or_single)
+    if engine.name == "eager":  # saved tensors match: the outputs are the forward's
+        _assert_close(engine.grads(program_of(region), x, w), expected)  # type: ignore[arg-type]
+    else:  # the recompute's outputs are differentiated: they must have the same structure
+        message = _raises_naming(engine, program_of(region), pair_or_single, x, w)  # type: ignore[arg-type]
+        assert "static_argnums/static_argnames" in message
+    fixed = engine.remat(pair_or_single, static_argnames=("pair",))
+    _assert_close(engine.grads(program_of(fixed, pass_flag=True), x, w), expected)  # type: ignore[arg-type]
