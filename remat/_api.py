@@ -18,6 +18,7 @@ from ._lowering import contexts_for, lowers, run_lowered
 from ._offload import HostStore
 from ._pytree import tensor_leaves
 from ._region import Region, describe_callable
+from ._signature import inner_region
 from ._state import local
 from .policies import PolicyLike
 
@@ -215,6 +216,13 @@ def _call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) 
                 f"remat.remat: static_argnums contains {i}, but {region.label} was called "
                 f"with {len(args)} positional arguments"
             )
+    # Inside another region's traced run, one entry there whatever the engine (the
+    # engine may differ between forward and recompute): NOTE [ Recompute signatures ].
+    with inner_region(region.label, (args, kwargs)):
+        return _run_on_engine(region, args, kwargs)
+
+
+def _run_on_engine(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     engine = region.engine
     if engine == "eager" and _transform_active():
         raise RematError(

@@ -31,9 +31,11 @@ NOTE [ Record and replay ]
    ``nonzero`` and every op tagged data-dependent). View ops always run: they
    cost nothing and need no live input.
 6. Replay hands the forward's kept outputs to the recompute's ops by position,
-   so the recompute's op at each position must be the forward's, checked even
-   with ``determinism_check=False``: handing a kept output to another op would
-   compute garbage. That flag skips only the comparison of Python numbers.
+   so the recompute's op at each position must be the forward's, and a
+   replayed op must get tensors of the forward's shapes, checked even with
+   ``determinism_check=False``: handing a kept output to another op, or to the
+   same op given other shapes, would compute garbage. That flag skips only the
+   comparison of Python numbers (and the signature checks of ``_signature.py``).
 7. FSDP2 (``fully_shard``) gathers a unit's parameters in its forward pre-hook
    with ``fsdp::`` ops, and in backward only if they were resharded since: a
    region that records those ops would replay the gather (or miss it). An
@@ -55,6 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _ops
 from ._errors import NondeterministicRecomputeError, RematError
+from ._signature import CURES, arg_shapes, divergence
 from ._state import local
 from .policies import Decision, Policy
 
@@ -141,6 +144,9 @@ class OpRecord:
     always_live: bool = False
     #: Outputs kept only until the forward ends, in case `checkpoint_name` saves one.
     tentative: bool = False
+    #: (shape, dtype) of the op's tensor arguments, for ops that may be replayed:
+    #: a replayed op must get the forward's shapes (NOTE rule 6).
+    input_shapes: tuple[Any, ...] | None = None
 
     def decision_at(self, position: int) -> Decision:
         if self.named is not None and position in self.named:
@@ -226,6 +232,8 @@ class OpLog:
         rec.inputs, rec.scalars = _scan(args, kwargs, self.serial)
         rec.metas = tuple([(t.shape, t.stride(), t.dtype) for t in outputs])
         rec.always_live = effectful or traits.reads_data
+        if not effectful and (decision is not Decision.RECOMPUTE or self.policy.uses_names):
+            rec.input_shapes = arg_shapes(args, kwargs)
         self.records.append(rec)
         # A named output of a multi-output op (attention's output beside its
         # log-sum-exp) is replayable only if its siblings are kept as well.
@@ -571,6 +579,14 @@ class ReplayMode(TorchDispatchMode):
         kept, full = rec.replay_state()
         if full:
             assert kept is not None, "this is a bug in remat, please report it"
+            if rec.input_shapes is not None and rec.input_shapes != arg_shapes(args, kwargs):
+                # Rule 6: the forward's outputs for other inputs would be garbage.
+                raise divergence(
+                    self.log.label,
+                    f"op #{index} ({func}) got tensors of shapes "
+                    f"{_shape_list(rec.input_shapes)} in the forward and "
+                    f"{_shape_list(arg_shapes(args, kwargs))} in the recompute",
+                )
             return _rebuild(func, _detached_aliases(kept))
         if self.live is not None and not self.live[index] and not _traits(func).view:
             return _rebuild(func, [_stand_in(meta) for meta in rec.metas])
@@ -594,15 +610,16 @@ class ReplayMode(TorchDispatchMode):
                 f"{func} got the numbers {forward_scalars} in the forward and "
                 f"{recompute_scalars} in the recompute (Python state it reads changed)"
             )
+        # determinism_check=False is no cure: it skips only the numbers' comparison.
         return NondeterministicRecomputeError(
             f"remat: the recompute of {self.log.label} differs from its forward at op "
-            f"#{index}: {what}.\n"
-            "The function must run the same ops on every call: make control flow and the "
-            "numbers it uses depend only on its inputs and static arguments, or use "
-            "policy='everything-saveable' for this region (determinism_check=False if the "
-            "difference is expected). Pass debug=True to remat.remat to see both op logs.\n"
+            f"#{index}: {what}. Its gradients would be wrong. {CURES}\n"
             + side_by_side(forward, [str(f) for f in self.ran])
         )
+
+
+def _shape_list(shapes: tuple[Any, ...]) -> str:
+    return "[" + ", ".join(str(tuple(shape)) for shape, _ in shapes) + "]"
 
 
 def _stand_in(meta: tuple[Any, ...]) -> torch.Tensor:

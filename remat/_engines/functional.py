@@ -126,6 +126,7 @@ from .._pytree import check_outputs_visible, flatten_region_io
 from .._region import Region
 from .._replay import OpLog, OpRecord, RecordMode, ReplayMode, physical, storage_address
 from .._rng import RngState, check_batched_recompute, generators_of, vmap_levels
+from .._signature import OpTrace, divergence
 from .._state import is_recomputing, local, recomputing
 from ..policies import Decision, Policy
 from ._escapes import EscapeWatch
@@ -254,6 +255,9 @@ class _Call:
         self.autocast = AutocastState.capture()
         #: Offloaded kept outputs (NOTE rule 8): (record, position, entry).
         self.offloaded: list[tuple[OpRecord, int, Offloaded]] = []
+        #: The forward's torch calls, which every recompute must repeat (NOTE [
+        #: Recompute signatures ] in ``_signature.py``).
+        self.trace = OpTrace(region.label, region.determinism_check)
 
     def run(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Call ``fn`` with ``tensors`` in place of the inputs; return its tensor outputs."""
@@ -262,7 +266,7 @@ class _Call:
         for position, tensor in zip(self.tensor_positions, tensors[:count], strict=True):
             leaves[position] = tensor
         args, kwargs = optree.tree_unflatten(self.treedef, leaves)
-        with self.bindings.swapped(tensors[count:]), self.state.guarded():
+        with self.bindings.swapped(tensors[count:]), self.state.guarded(), self.trace.watching():
             out = self.fn(*args, **kwargs)
         out_leaves, out_treedef = flatten_region_io(out)
         positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
@@ -283,10 +287,9 @@ class _Call:
                 positions,
             )
         elif out_treedef != self.out_treedef or positions != self.out_positions:
-            raise RematError(
-                f"remat: the recompute of {self.region.label} returned a different structure "
-                f"({out_treedef}) than its forward ({self.out_treedef}). The function must "
-                "return the same pytree on every call."
+            raise divergence(
+                self.region.label,
+                f"it returned {out_treedef}, and the forward returned {self.out_treedef}",
             )
         return tuple(out_leaves[i] for i in positions)
 
@@ -735,6 +738,7 @@ class _HiddenInputGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         tree: Any = (args, kwargs)
         leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=False)
+        self.call.trace.offer(func, args, kwargs)  # NOTE [ Recompute signatures ]
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and id(leaf) not in self.known:
                 self.check(leaf, func)

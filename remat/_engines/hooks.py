@@ -68,6 +68,7 @@ from .._pytree import check_outputs_visible, flatten, flatten_region_io, tensor_
 from .._region import Region
 from .._replay import TAG, OpLog, OpRecord, RecordMode, ReplayMode, side_by_side
 from .._rng import RngState, check_batched_recompute, generators_of
+from .._signature import CURES, SavedSignature, describe_saved, divergence, saved_signature
 from .._state import local, recomputing
 from ..policies import Decision
 
@@ -123,8 +124,11 @@ class Frame:
         self.keep_all = policy.keeps_last_region
         self.holders: list[weakref.ref[Holder]] = []
         self.check = region.determinism_check
-        #: (shape, dtype, device) of each saved tensor; kept only for the determinism check.
-        self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+        #: The signature of each saved tensor, kept only for the determinism check
+        #: (NOTE [ Recompute signatures ] in ``_signature.py``).
+        self.metas: list[SavedSignature] = []
+        #: Ids of the recompute's (detached) inputs, to sign its saved tensors.
+        self.recompute_input_ids: set[int] = set()
         self.rng = (
             RngState.capture(self.inputs, generators_of(region.fn, leaves))
             if region.preserve_rng_state
@@ -179,7 +183,7 @@ class Frame:
         self.holders.append(weakref.ref(holder))
         self.note_leaf(t)
         if self.check:
-            self.metas.append((t.shape, t.dtype, t.device))
+            self.metas.append(saved_signature(t, id(t) in self.input_ids))
         if self.log is not None:
             holder.clock = len(self.log.records)
         decision = self.decide(t, holder)
@@ -440,11 +444,10 @@ class Frame:
         self.needed = {}
         if missing:
             raise NondeterministicRecomputeError(
-                f"remat: the recompute of {self.region.label} saved fewer tensors than its "
-                f"forward ({next(self.recompute_counter)} instead of {len(self.holders)}): "
-                "the function ran different ops the second time. Make its control flow "
-                "depend only on its inputs, or use policy='everything-saveable'."
-                + self._logs(replay)
+                f"remat: the recompute of {self.region.label} differs from its forward: it "
+                f"saved {next(self.recompute_counter)} tensors, the forward "
+                f"{len(self.holders)}: it ran different ops the second time. Its gradients "
+                f"would be wrong. {CURES}" + self._logs(replay)
             )
 
     def _recompute_or_retry(self, replay: ReplayMode | None, live: list[bool] | None) -> None:
@@ -467,8 +470,10 @@ class Frame:
     def _run_recompute(self, replay: ReplayMode | None) -> None:
         self.recompute_counter = itertools.count()
         try:
+            args, kwargs = _detached(self.args), _detached(self.kwargs)
+            self.recompute_input_ids = {id(t) for t in tensor_leaves((args, kwargs))}
             with self._recompute_context(replay):
-                self.region.fn(*_detached(self.args), **_detached(self.kwargs))
+                self.region.fn(*args, **kwargs)
         except _StopRecompute:
             return  # every holder the backward needs is full (NOTE rule 2)
 
@@ -526,21 +531,16 @@ class Frame:
 
     def check_meta(self, index: int, t: torch.Tensor) -> None:
         expected = self.metas[index] if index < len(self.metas) else None
-        if expected == (t.shape, t.dtype, t.device):
+        seen = saved_signature(t, id(t) in self.recompute_input_ids)
+        if expected == seen:
             return
         stand_in = t.device.type == "meta" and index not in self.needed
-        if stand_in and expected is not None and expected[:2] == (t.shape, t.dtype):
+        if stand_in and expected is not None and expected[:2] == seen[:2]:
             return  # saved by a dead op's node (a stand-in): nobody will read it
-        seen = "nothing (the forward saved fewer tensors)"
-        if expected is not None:
-            seen = f"shape {tuple(expected[0])}, {expected[1]} on {expected[2]}"
-        raise NondeterministicRecomputeError(
-            f"remat: the recompute of {self.region.label} differs from its forward: saved "
-            f"tensor #{index} had {seen} in the forward, and shape {tuple(t.shape)}, "
-            f"{t.dtype} on {t.device} in the recompute. The function must compute the "
-            "same thing every call: make control flow depend only on its inputs and "
-            "static arguments, or use policy='everything-saveable' for this region. "
-            "Pass debug=True to remat.remat to see both op logs."
+        raise divergence(
+            self.region.label,
+            f"saved tensor #{index} had {describe_saved(expected)} in the forward, and "
+            f"{describe_saved(seen)} in the recompute (debug=True shows both op logs)",
         )
 
     def check_inputs(self) -> None:

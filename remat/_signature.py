@@ -1,0 +1,253 @@
+"""The determinism check that every policy gets: the recompute's ops and shapes.
+
+NOTE [ Recompute signatures ]
+1. Policies that record ops (``dots-saveable``, names, ``save-last``) compare
+   the recompute op by op with the forward's log (``_replay.py``). Policies that
+   record nothing (``nothing-saveable``) need a cheaper signature, taken where
+   the engine already looks at every value:
+2. Eager engine: the pack hook sees every tensor autograd saves, in order. Each
+   saved tensor's signature is (shape, dtype, device, what made it): the type of
+   its ``grad_fn`` (``SinBackward0``), or "input" for a region input (its
+   ``grad_fn`` is outside the region, and the recompute's detached copies have
+   none). The recompute's k-th saved tensor must have the forward's k-th
+   signature (`saved_signature`).
+3. torch.func engine: the forward's hidden-input guard (a `TorchFunctionMode`
+   that sees every call anyway) records each Python-level torch call of ``fn``
+   with the shapes and dtypes of its tensor arguments (`OpTrace`); a `TraceMode`
+   around ``fn`` in each recompute compares its calls with them. Python-level
+   calls, not aten ops: the plain forward (no ``vjp`` under ``nothing-saveable``)
+   and the recompute (under ``vjp``) decompose composite ops differently, but
+   call the same functions on the same logical shapes.
+   A region called inside the traced one is one entry (its label and input
+   shapes): its machinery differs between forward and recompute, and it checks
+   its own body.
+4. A mismatch raises `NondeterministicRecomputeError` (`divergence`) naming the
+   region, what differed, and the fixes that work for each usual cause: a cache
+   the region grows and reads back (Hugging Face ``use_cache``), Python state
+   changed between forward and backward, or ``policy='everything-saveable'``
+   (no recompute). ``determinism_check=False`` turns these checks off; it fixes
+   nothing, so no message suggests it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ._errors import NondeterministicRecomputeError
+from ._state import local as state
+
+__all__ = [
+    "CURES",
+    "OpTrace",
+    "arg_shapes",
+    "divergence",
+    "inner_region",
+    "saved_signature",
+]
+
+#: The fixes that work, one per usual cause of a recompute that differs (NOTE rule 4).
+CURES = (
+    "Usual causes and their fixes: (1) state the function appends to and reads back "
+    "(a KV cache: the recompute sees the forward's entries as well as its own): for "
+    "Hugging Face models pass use_cache=False in training (or set "
+    "model.config.use_cache = False); otherwise pass the cache in as an argument and "
+    "return the new entries instead of appending inside the region. (2) Python state "
+    "it reads (a flag, a mode, a counter) changed between forward and backward: pass "
+    "it as an argument (static_argnums/static_argnames for Python values), or change "
+    "it only after backward. (3) Or use policy='everything-saveable' for this region "
+    "(nothing is recomputed; memory as without remat)."
+)
+
+
+def divergence(label: str, what: str) -> NondeterministicRecomputeError:
+    """The error for a recompute of region ``label`` that differs from its forward."""
+    return NondeterministicRecomputeError(
+        f"remat: the recompute of {label} differs from its forward: {what}. Its gradients "
+        f"would be wrong. {CURES}"
+    )
+
+
+# ---------------------------------------------------------------------------
+# Eager engine (NOTE rule 2)
+# ---------------------------------------------------------------------------
+
+#: One saved tensor: (shape, dtype, device, producer).
+SavedSignature = tuple[torch.Size, torch.dtype, torch.device, Any]
+
+
+def saved_signature(t: torch.Tensor, is_input: bool) -> SavedSignature:
+    """The signature of a tensor autograd saves; ``is_input``: a region input."""
+    made_by: Any = "input" if is_input else type(t.grad_fn)
+    return (t.shape, t.dtype, t.device, made_by)
+
+
+def describe_saved(signature: SavedSignature | None) -> str:
+    if signature is None:
+        return "nothing (the forward saved fewer tensors)"
+    shape, dtype, device, made_by = signature
+    maker = "a region input" if made_by == "input" else _maker_name(made_by)
+    return f"shape {tuple(shape)}, {dtype} on {device}, made by {maker}"
+
+
+def _maker_name(made_by: Any) -> str:
+    if made_by is type(None):
+        return "no op (a leaf)"
+    return str(getattr(made_by, "__name__", made_by))
+
+
+# ---------------------------------------------------------------------------
+# torch.func engine (NOTE rule 3)
+# ---------------------------------------------------------------------------
+
+#: One Python-level call: (function, ((shape, dtype) of each tensor argument)).
+Call = tuple[Any, tuple[tuple[torch.Size, torch.dtype], ...]]
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        #: Runs of ``fn`` being traced (recorded or checked), innermost last; None
+        #: while a region called inside one runs.
+        self.stack: list[TraceMode | OpTrace | None] = []
+
+
+_local = _Local()
+
+
+class OpTrace:
+    """The forward's calls of one region call, and the check of each recompute against them.
+
+    The forward is recorded through the engine's hidden-input guard, a
+    `TorchFunctionMode` that sees every call anyway (`offer`): no second mode
+    there. A recompute runs under a `TraceMode` of its own.
+    """
+
+    def __init__(self, label: str, enabled: bool) -> None:
+        self.label = label
+        self.enabled = enabled
+        self.calls: list[Call] = []
+        self.recorded = False
+
+    def watching(self) -> contextlib.AbstractContextManager[Any]:
+        """Around one run of ``fn``: record it (the first run) or check it against the record."""
+        if not self.enabled:
+            return contextlib.nullcontext()
+        if self.recorded:
+            return TraceMode(self)
+        return self._recording()
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[None]:
+        _local.stack.append(self)
+        try:
+            yield
+        finally:
+            _local.stack.pop()
+        self.recorded = True
+
+    def offer(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> None:
+        """A call the guard saw: recorded while ``fn`` of this call runs, outside inner regions."""
+        if _local.stack and _local.stack[-1] is self and not state.internal_depth:
+            self.calls.append((func, arg_shapes(args, kwargs)))
+
+    def note(self, call: Call) -> None:
+        self.calls.append(call)
+
+
+class TraceMode(TorchFunctionMode):
+    """Check every torch call of a recompute of ``fn`` against the forward's (NOTE rule 3)."""
+
+    def __init__(self, trace: OpTrace) -> None:
+        super().__init__()
+        self.trace = trace
+        self.index = 0
+
+    def __enter__(self) -> TraceMode:
+        super().__enter__()  # type: ignore[no-untyped-call]
+        _local.stack.append(self)
+        return self
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
+        _local.stack.pop()
+        super().__exit__(kind, value, tb)  # type: ignore[no-untyped-call]
+        if kind is None and self.index != len(self.trace.calls):
+            raise self.mismatch(None)
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        # Not inside an inner region, nor remat's own work (the state guard's snapshots).
+        if _local.stack and _local.stack[-1] is self and not state.internal_depth:
+            self.note((func, arg_shapes(args, kwargs)))
+        return func(*args, **(kwargs or {}))
+
+    def note(self, call: Call) -> None:
+        calls = self.trace.calls
+        if self.index >= len(calls) or calls[self.index] != call:
+            raise self.mismatch(call)
+        self.index += 1
+
+    def mismatch(self, call: Call | None) -> NondeterministicRecomputeError:
+        calls = self.trace.calls
+        expected = calls[self.index] if self.index < len(calls) else None
+        what = (
+            f"call #{self.index} was {_describe_call(expected)} in the forward and "
+            f"{_describe_call(call)} in the recompute"
+        )
+        return divergence(self.trace.label, what)
+
+
+@contextlib.contextmanager
+def inner_region(label: str, inputs: Any) -> Iterator[None]:
+    """A region called inside a traced one: one entry there, and untraced by it (NOTE rule 3)."""
+    top = _local.stack[-1] if _local.stack else None
+    _local.stack.append(None)  # first: reading shapes is a torch call the trace must not see
+    try:
+        if top is not None:
+            top.note((label, _shapes(optree.tree_leaves(inputs, none_is_leaf=False))))
+        yield
+    finally:
+        _local.stack.pop()
+
+
+def _shapes(leaves: Sequence[Any]) -> tuple[tuple[torch.Size, torch.dtype], ...]:
+    return tuple((x.shape, x.dtype) for x in leaves if isinstance(x, torch.Tensor))
+
+
+def arg_shapes(args: tuple[Any, ...], kwargs: Any) -> tuple[tuple[torch.Size, torch.dtype], ...]:
+    """(shape, dtype) of the tensors among a call's arguments and in their lists (a hot path)."""
+    found: list[tuple[torch.Size, torch.dtype]] = []
+    for arg in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(arg, torch.Tensor):
+            found.append((arg.shape, arg.dtype))
+        elif isinstance(arg, (list, tuple)):
+            found.extend((t.shape, t.dtype) for t in arg if isinstance(t, torch.Tensor))
+    return tuple(found)
+
+
+def _describe_call(call: Call | None) -> str:
+    if call is None:
+        return "nothing (it had ended)"
+    func, shapes = call
+    args = ", ".join(f"{tuple(shape)} {dtype}" for shape, dtype in shapes)
+    return f"{_func_name(func)} on tensors of shape [{args}]"
+
+
+def _func_name(func: Any) -> str:
+    if isinstance(func, str):
+        return f"the region {func}"
+    owner = getattr(func, "__self__", None)
+    if owner is not None and hasattr(owner, "__name__"):  # a property getter
+        return f"Tensor.{owner.__name__}"
+    name = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", func))
+    module = getattr(func, "__module__", None)
+    name = name.replace("TensorBase.", "Tensor.").replace("_VariableFunctionsClass.", "")
+    if module and module.startswith("torch") and not name.startswith("Tensor."):
+        return f"{module}.{name}"
+    return name
