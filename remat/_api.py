@@ -21,12 +21,15 @@ from ._region import Region, describe_callable
 from ._state import local
 from .policies import PolicyLike
 
-__all__ = ["call_region", "checkpoint", "checkpoint_name", "make_region", "remat"]
+__all__ = ["call_region", "check_options", "checkpoint", "checkpoint_name", "make_region", "remat"]
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 Engine = Literal["auto", "eager", "functional"]
 _ENGINES = ("auto", "eager", "functional")
+#: torch's ``determinism_check`` strings (``torch.utils.checkpoint``): "default" checks, "none" not.
+DeterminismCheck = bool | Literal["default", "none"]
+_DETERMINISM_STRINGS = {"default": True, "none": False}
 
 
 @overload
@@ -38,7 +41,7 @@ def remat(
     static_argnums: int | Sequence[int] = ...,
     static_argnames: str | Sequence[str] = ...,
     preserve_rng_state: bool = ...,
-    determinism_check: bool = ...,
+    determinism_check: DeterminismCheck = ...,
     debug: bool = ...,
     engine: Engine = ...,
     offload_store: HostStore | None = ...,
@@ -54,7 +57,7 @@ def remat(
     static_argnums: int | Sequence[int] = ...,
     static_argnames: str | Sequence[str] = ...,
     preserve_rng_state: bool = ...,
-    determinism_check: bool = ...,
+    determinism_check: DeterminismCheck = ...,
     debug: bool = ...,
     engine: Engine = ...,
     offload_store: HostStore | None = ...,
@@ -69,7 +72,7 @@ def remat(
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
     preserve_rng_state: bool = True,
-    determinism_check: bool = True,
+    determinism_check: DeterminismCheck = True,
     debug: bool = False,
     engine: Engine = "auto",
     offload_store: HostStore | None = None,
@@ -90,11 +93,12 @@ def remat(
             passed through untouched.
         preserve_rng_state (bool, optional): replay the forward's random state in
             the recompute, so dropout masks match. Default: True.
-        determinism_check (bool, optional): check that the recompute runs the same
-            ops on the same shapes and Python numbers as the forward, and raise
-            `RematError` naming the first difference if not. With False, a
+        determinism_check (bool | "default" | "none", optional): check that the
+            recompute runs the same ops on the same shapes and Python numbers as
+            the forward, and raise `RematError` naming the first difference if not. With False, a
             policy that keeps op outputs still compares the ops themselves: a
-            kept output handed to another op would be garbage. Default: True.
+            kept output handed to another op would be garbage. torch's strings
+            ``"default"`` (True) and ``"none"`` (False) are accepted. Default: True.
         debug (bool, optional): record the op log of every region, so a failed
             check prints the forward and recompute logs side by side. The
             environment variable ``REMAT_DEBUG=1`` turns it on everywhere.
@@ -110,8 +114,10 @@ def remat(
         The rematerialized function (or a decorator, when ``fn`` is omitted).
 
     Raises:
-        TypeError: ``fn`` is not callable, or an option has the wrong type.
-        ValueError: the policy or a static argument is unknown.
+        TypeError: ``fn`` is not callable, or an option has the wrong type (a
+            flag that is not a bool, an aten op where a list of ops is expected,
+            an uncalled policy factory, a policy function of the wrong arity).
+        ValueError: the policy, an option's value or a static argument is unknown.
 
     Examples:
         >>> import torch, remat
@@ -165,18 +171,24 @@ def make_region(
     static_argnums: int | Sequence[int],
     static_argnames: str | Sequence[str],
     preserve_rng_state: bool,
-    determinism_check: bool,
+    determinism_check: DeterminismCheck,
     debug: bool,
     engine: str,
     offload_store: HostStore | None,
+    api: str = "remat.remat",
 ) -> Region:
-    """Validate `remat.remat`'s options for ``fn`` and bundle them as a `Region`."""
-    if engine not in _ENGINES:
-        raise ValueError(f"remat.remat: engine must be one of {_ENGINES}, got {engine!r}")
-    if offload_store is not None and not isinstance(offload_store, HostStore):
-        raise TypeError(
-            f"remat.remat: offload_store must be a HostStore or None, got {offload_store!r}"
-        )
+    """Validate `remat.remat`'s options for ``fn`` and bundle them as a `Region`.
+
+    ``api`` is the public function the options were given to, for messages.
+    """
+    flags = check_options(
+        api,
+        preserve_rng_state=preserve_rng_state,
+        determinism_check=determinism_check,
+        debug=debug,
+        engine=engine,
+        offload_store=offload_store,
+    )
     argnums = _normalize(static_argnums, int, "static_argnums")
     argnames = _normalize(static_argnames, str, "static_argnames")
     _check_static(fn, argnums, argnames)
@@ -184,15 +196,58 @@ def make_region(
     return Region(
         fn=fn,
         policy=resolved,
-        preserve_rng_state=bool(preserve_rng_state),
-        determinism_check=bool(determinism_check),
-        debug=bool(debug) or os.environ.get("REMAT_DEBUG", "") not in ("", "0"),
+        preserve_rng_state=flags["preserve_rng_state"],
+        determinism_check=flags["determinism_check"],
+        debug=flags["debug"] or os.environ.get("REMAT_DEBUG", "") not in ("", "0"),
         label=describe_callable(fn),
         static_argnums=frozenset(argnums),
         static_argnames=frozenset(argnames),
         offload_store=offload_store,
         engine=engine,
         selective=contexts_for(resolved),
+    )
+
+
+def check_options(api: str, **options: Any) -> dict[str, bool]:
+    """Check the options `remat.remat` shares with ``api``; return the flags as bools.
+
+    Flags are never coerced with ``bool()``: ``preserve_rng_state=None`` or
+    ``"no"`` would silently mean False or True. Options not given are not checked.
+    """
+    flags: dict[str, bool] = {}
+    for name in ("preserve_rng_state", "debug"):
+        if name in options:
+            flags[name] = _flag(api, name, options[name])
+    if "determinism_check" in options:
+        flags["determinism_check"] = _determinism_check(api, options["determinism_check"])
+    engine = options.get("engine", "auto")
+    if not isinstance(engine, str) or engine not in _ENGINES:
+        raise ValueError(f"{api}: engine must be one of {_ENGINES}, got {engine!r}")
+    store = options.get("offload_store")
+    if store is not None and not isinstance(store, HostStore):
+        raise TypeError(f"{api}: offload_store must be a HostStore or None, got {store!r}")
+    return flags
+
+
+def _flag(api: str, name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise TypeError(
+        f"{api}: {name} must be True or False, got {value!r} ({type(value).__name__}); "
+        f"write {name}=True or {name}=False."
+    )
+
+
+def _determinism_check(api: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value in _DETERMINISM_STRINGS:
+        return _DETERMINISM_STRINGS[value]
+    error = ValueError if isinstance(value, str) else TypeError
+    raise error(
+        f"{api}: determinism_check must be True, False, 'default' (the same as True) or "
+        f"'none' (the same as False), got {value!r} ({type(value).__name__}); write "
+        "determinism_check=True or determinism_check=False."
     )
 
 
