@@ -232,7 +232,15 @@ class Frame:
         # Only outputs something will read are worth a copy to the host.
         self.offload_kept(out, None if self.keep_all else self.liveness())
         for holder in self.alive():
-            if holder.tensor is None and holder.source is not None:
+            if holder.tensor is not None and self.named_to_recompute(holder):
+                # Saved by its own op (``exp`` saves its result) before
+                # `checkpoint_name` gave it a name the policy recomputes: the
+                # name overrides the op's decision here too.
+                if self.keep_all:
+                    holder.demotable = True
+                else:
+                    holder.tensor = None
+            elif holder.tensor is None and holder.source is not None:
                 record, position = holder.source
                 if (id(record), position) in self.offloaded:
                     holder.tensor = self.offloaded[id(record), position][2]
@@ -243,6 +251,14 @@ class Frame:
         if not self.keep_all:
             self.release_unread()
             self.prune_offloaded()
+
+    def named_to_recompute(self, holder: Holder) -> bool:
+        """Whether a name given after ``holder`` was packed makes the policy recompute it."""
+        if holder.source is None or not holder.owned or holder.demotable:
+            return False
+        record, position = holder.source
+        named = record.named.get(position) if record.named is not None else None
+        return named is not None and named[1] is Decision.RECOMPUTE
 
     # -- offload (NOTE rule 6) -------------------------------------------------
 
