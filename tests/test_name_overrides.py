@@ -46,8 +46,9 @@ def _loss(block: Callable[..., object]) -> Callable[[torch.Tensor, torch.Tensor]
     return loss
 
 
-def _backward_counts(engine: Engine, loss: Callable[..., torch.Tensor],
-                     x: torch.Tensor, w: torch.Tensor) -> tuple[dict[str, int], tuple[torch.Tensor, ...]]:
+def _backward_counts(
+    engine: Engine, loss: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor
+) -> tuple[dict[str, int], tuple[torch.Tensor, ...]]:
     """Op counts of the backward alone (eager) or of the whole grad call (functional)."""
     if engine.name == "eager":
         xs = [x.detach().requires_grad_(), w.detach().requires_grad_()]
