@@ -51,7 +51,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from . import _ops
 from ._errors import NondeterministicRecomputeError, RematError
@@ -87,10 +87,28 @@ def _inherit_tag(source: Any, out: Any) -> None:
 
 
 def storage_address(t: torch.Tensor) -> int:
-    """The address of ``t``'s storage; 0 when it has none (sparse, nested, a zero tensor)."""
+    """The address of ``t``'s storage; 0 when it has none (sparse, nested, a zero tensor).
+
+    A wrapper subclass (``_make_wrapper_subclass``, ``__torch_dispatch__``) has a
+    storage with no data pointer (touching it raises): a traceable one is
+    identified by its first inner tensor, which its in-place ops write to; any
+    other one has no address.
+    """
     if t.layout is not torch.strided or t.is_nested or t._is_zerotensor():
         return 0
+    if type(t) is not torch.Tensor and _is_wrapper_subclass(t):
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            inner = getattr(t, names[0], None) if names else None
+            return storage_address(inner) if isinstance(inner, torch.Tensor) else 0
+        return 0
     return int(t.untyped_storage().data_ptr())
+
+
+def _is_wrapper_subclass(t: torch.Tensor) -> bool:
+    # Only Python subclasses with their own ``__torch_dispatch__`` carry the Python
+    # dispatch key; a plain subclass (``nn.Parameter``) has a real storage.
+    return torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
 
 
 def physical(t: torch.Tensor) -> torch.Tensor:
