@@ -15,7 +15,9 @@ NOTE [ Record and replay ]
    in place after it was kept is not replayed; the op runs again instead.
 4. Random ops are never kept: skipping one in the recompute would shift the
    random stream for every later op. In-place ops are never kept either: their
-   output is their input.
+   output is their input. Nor are ops that make inference tensors (a
+   ``torch.inference_mode()`` block inside the region): those have no version
+   counter, and rerunning them is how the recompute gets the same constants.
 5. Dead ops are not run. Each record knows which earlier records produced its
    inputs, and the log knows which inner regions ran inside it. Before a
    recompute, `OpLog.liveness` walks back from the records whose outputs
@@ -233,7 +235,14 @@ class OpLog:
             raise _fsdp_inside(self.label, op)
         if traits.writes:
             self._invalidate_written(traits, args, kwargs)
-        effectful = traits.writes or _draws_random(traits, args, kwargs)
+        # An op run under ``torch.inference_mode()`` inside the region makes
+        # inference tensors: constants with no version counter, which autograd
+        # never saves. They are not kept (NOTE rule 4): the recompute makes them again.
+        effectful = (
+            traits.writes
+            or _draws_random(traits, args, kwargs)
+            or any(t.is_inference() for t in outputs)
+        )
         if effectful:
             verdict: Hashable = None
             decision = Decision.RECOMPUTE

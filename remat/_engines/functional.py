@@ -199,7 +199,7 @@ class _Call:
         for position, tensor in zip(self.tensor_positions, tensors[:count], strict=True):
             leaves[position] = tensor
         args, kwargs = optree.tree_unflatten(self.treedef, leaves)
-        with self.bindings.swapped(tensors[count:]):
+        with self.bindings.swapped(tensors[count:]), _inference_mode_errors(self.region):
             out = self.fn(*args, **kwargs)
         out_leaves, out_treedef = optree.tree_flatten(out, none_is_leaf=False)
         positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
@@ -509,6 +509,32 @@ def _backward_is_differentiated(
             return True
     tensors = [t for t in (*inputs, *grads) if t is not None]
     return any(physical(t).requires_grad for t in tensors)
+
+
+@contextlib.contextmanager
+def _inference_mode_errors(region: Region) -> Iterator[None]:
+    """Say what to do when ``fn`` reads a transformed tensor under ``inference_mode``.
+
+    This engine runs ``fn`` on functorch wrappers (its backward always does, under
+    ``torch.func.vjp``), and torch refuses to detach or save one inside an
+    ``inference_mode`` block. ``no_grad`` computes the same constant and works.
+    """
+    try:
+        yield
+    except RuntimeError as error:
+        text = str(error)
+        known = ("version_counter for inference tensor", "do not track version counter")
+        if isinstance(error, RematError) or not any(k in text for k in known):
+            raise
+        raise RematError(
+            f"remat: {region.label} uses a torch.func-transformed tensor inside a "
+            f"torch.inference_mode() block ({error}). The torch.func engine runs the "
+            "function on transformed tensors (its backward always does, through "
+            "torch.func.vjp), and torch refuses those in inference mode. Use "
+            "torch.no_grad() instead of torch.inference_mode() for that block (it "
+            "computes the same constant), or, for a loss.backward() outside any "
+            "torch.func transform, pass engine='eager' to remat."
+        ) from error
 
 
 @contextlib.contextmanager

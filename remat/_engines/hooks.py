@@ -150,7 +150,7 @@ class Frame:
     # -- forward -------------------------------------------------------------
 
     def run_forward(self) -> Any:
-        start_versions = [t._version for t in self.inputs]
+        start_versions = [_version(t) for t in self.inputs]
         self.versions = start_versions
         with contextlib.ExitStack() as stack:
             stack.enter_context(_pushed(self))
@@ -159,7 +159,7 @@ class Frame:
                 stack.enter_context(RecordMode(self.log))
             stack.enter_context(self.state_guard.guarded())
             out = self.region.fn(*self.args, **self.kwargs)
-        self.versions = [t._version for t in self.inputs]
+        self.versions = [_version(t) for t in self.inputs]
         self.mutated_in_forward = self.versions != start_versions
         self.rng_after = self.rng.now() if self.rng is not None else None
         self.phase = "done"
@@ -550,7 +550,7 @@ class Frame:
 
     def check_inputs(self) -> None:
         for position, (t, version) in enumerate(zip(self.inputs, self.versions, strict=True)):
-            if t._version != version:
+            if _version(t) != version:
                 raise SavedInputMutatedError(
                     f"remat: input #{position} of {self.region.label} (shape "
                     f"{tuple(t.shape)}) was modified in place after the forward pass, so it "
@@ -582,6 +582,12 @@ class Frame:
         """The holders autograd still references (the others were consumed or dropped)."""
         return [h for h in (ref() for ref in self.holders) if h is not None]
 
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t._version``; 0 for an inference tensor (made under ``inference_mode``), which
+    has no version counter and cannot be written outside inference mode."""
+    return 0 if t.is_inference() else t._version
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
