@@ -12,7 +12,7 @@ import torch
 
 from . import policies
 from ._compile import uncompiled
-from ._engines.hooks import run_eager
+from ._engines.hooks import TorchFuncInsideError, run_eager
 from ._errors import RematError
 from ._lowering import contexts_for, lowers, run_lowered
 from ._offload import HostStore
@@ -104,7 +104,11 @@ def remat(
             environment variable ``REMAT_DEBUG=1`` turns it on everywhere.
         engine ("auto" | "eager" | "functional", optional): "auto" uses the
             ``torch.func`` engine when a transform is active and the eager one
-            otherwise. Default: "auto".
+            otherwise; and for a function that runs a ``torch.func`` transform
+            itself (``forces = -torch.func.grad(energy)(pos)`` inside the region),
+            which saved-tensor hooks cannot run: its first call notices it when the
+            transform starts (what ran before it runs once more, under the
+            ``torch.func`` engine), later calls go there directly. Default: "auto".
         offload_store (HostStore, optional): where ``OFFLOAD`` decisions put
             values (e.g. a ``CudaHostStore(min_bytes=..., prefetch_distance=...)``
             to tune the size threshold and the prefetch distance). Default: the
@@ -277,11 +281,34 @@ def _call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) 
             "transform, where saved-tensor hooks do not run. Use engine='auto' (the "
             "default) or engine='functional' for regions called under torch.func."
         )
-    if engine == "functional" or (engine == "auto" and _transform_active()):
-        from ._engines.functional import run_functional
+    if engine == "functional" or (
+        engine == "auto" and (_transform_active() or region.label in _USES_TORCH_FUNC)
+    ):
+        return _run_functional(region, args, kwargs)
+    if engine == "eager":
+        return run_eager(region, args, kwargs)
+    try:
+        return run_eager(region, args, kwargs)
+    except TorchFuncInsideError as error:
+        if not error.clean:
+            raise
+    # ``fn`` runs a torch.func transform itself (forces from an energy, a physics
+    # loss): the eager engine's saved-tensor hooks cannot run there, the
+    # torch.func engine can. The transform refused at its start, before it ran
+    # anything; remembered per function, so later calls go there at once.
+    _USES_TORCH_FUNC.add(region.label)
+    return _run_functional(region, args, kwargs)
 
-        return run_functional(region, args, kwargs)
-    return run_eager(region, args, kwargs)
+
+#: Labels of regions whose function runs a torch.func transform itself (by label:
+#: a wrapped module makes a `Region` per call).
+_USES_TORCH_FUNC: set[str] = set()
+
+
+def _run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    from ._engines.functional import run_functional
+
+    return run_functional(region, args, kwargs)
 
 
 def _transform_active() -> bool:

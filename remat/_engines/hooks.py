@@ -71,7 +71,23 @@ from .._rng import RngState, check_batched_recompute
 from .._state import local, recomputing
 from ..policies import Decision
 
-__all__ = ["Frame", "Holder", "run_eager"]
+__all__ = ["Frame", "Holder", "TorchFuncInsideError", "run_eager"]
+
+
+#: What torch says when a torch.func transform starts under saved-tensor hooks.
+_HOOKS_REFUSED = "don't yet support saved tensor hooks"
+
+
+class TorchFuncInsideError(RematError):
+    """A region's function calls a torch.func transform, which the eager engine cannot run.
+
+    ``clean``: nothing ran before the transform that a second run would change
+    (the "auto" engine choice then runs the region under the torch.func engine).
+    """
+
+    def __init__(self, message: str, clean: bool) -> None:
+        super().__init__(message)
+        self.clean = clean
 
 
 class _StopRecompute(BaseException):
@@ -152,19 +168,63 @@ class Frame:
     def run_forward(self) -> Any:
         start_versions = [_version(t) for t in self.inputs]
         self.versions = start_versions
+        failure: RuntimeError | None = None
         with contextlib.ExitStack() as stack:
             stack.enter_context(_pushed(self))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
             if self.log is not None:
                 stack.enter_context(RecordMode(self.log))
             stack.enter_context(self.state_guard.guarded())
-            out = self.region.fn(*self.args, **self.kwargs)
+            try:
+                out = self.region.fn(*self.args, **self.kwargs)
+            except RuntimeError as error:
+                if _HOOKS_REFUSED not in str(error) or isinstance(error, RematError):
+                    raise
+                failure = error
+        if failure is not None:
+            raise self.torch_func_inside() from failure
         self.versions = [_version(t) for t in self.inputs]
         self.mutated_in_forward = self.versions != start_versions
         self.rng_after = self.rng.now() if self.rng is not None else None
         self.phase = "done"
         self.finish_forward(out)
         return out
+
+    def torch_func_inside(self) -> TorchFuncInsideError:
+        """``fn`` started a torch.func transform, which refuses saved-tensor hooks.
+
+        The transform refuses at its start, so ``fn`` can run again under the
+        torch.func engine if what ran before it changed nothing remat cannot put
+        back: the random generators are rewound; an input written in place, or a
+        stateful module's buffers (BatchNorm statistics), make it unclean.
+        """
+        clean = [_version(t) for t in self.inputs] == self.versions
+        seen = getattr(self.state_guard, "seen", None) or ()
+        with _disable_current_modes(), torch.no_grad():
+            if any(not torch.equal(table[name], copy) for table, name, copy in seen):
+                clean = False
+        if self.rng is not None:
+            _rewind(self.rng)
+        what = (
+            f"remat: {self.region.label} calls a torch.func transform (grad, vjp, jacrev, "
+            "hessian, ...) inside, where the eager engine's saved-tensor hooks cannot run"
+        )
+        if not clean:
+            message = (
+                f"{what}, and before it the function modified an input in place or a "
+                "module's buffers (BatchNorm statistics), which running it again under "
+                "the torch.func engine would modify twice. Make the part that calls the "
+                "transform a region of its own, with those changes outside it."
+            )
+        elif self.region.engine == "eager":
+            message = (
+                f"{what}. Use engine='functional' (or 'auto', the default, which switches "
+                "by itself): it runs the region as an autograd.Function, which works under "
+                "loss.backward() too."
+            )
+        else:
+            message = f"{what}."  # "auto" switches engines: never shown
+        return TorchFuncInsideError(message, clean=clean)
 
     def pack(self, t: torch.Tensor) -> Holder:
         # A compiled module run inside the region: Dynamo must not trace our hooks.
@@ -582,6 +642,13 @@ class Frame:
         """The holders autograd still references (the others were consumed or dropped)."""
         return [h for h in (ref() for ref in self.holders) if h is not None]
 
+
+
+def _rewind(rng: RngState) -> None:
+    """Put the generators back where ``rng`` captured them (for good, not for a block)."""
+    torch.set_rng_state(rng.cpu)
+    for device, state in rng.cuda:
+        torch.cuda.set_rng_state(state, device)
 
 
 def _version(t: torch.Tensor) -> int:
