@@ -53,6 +53,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .._autocast import AutocastState
+from .._autograd_inside import GradWatch, OutsideGradError, feeds
 from .._compile import uncompiled
 from .._errors import NondeterministicRecomputeError, RematError, SavedInputMutatedError
 from .._module_state import state_guard_of
@@ -498,7 +499,13 @@ class Frame:
         in_forward = self.phase == "forward"
         try:
             with _disable_current_modes() if in_forward else contextlib.nullcontext():
-                self._recompute_or_retry(replay, live)
+                try:
+                    self._recompute_or_retry(replay, live)
+                except RuntimeError:
+                    self.explain_outside_grad()
+                    raise
+                if any(h.tensor is None for h in self.needed.values()):
+                    self.explain_outside_grad()
         finally:
             self.phase = "forward" if in_forward else "done"
             for record, position in restored:
@@ -518,6 +525,27 @@ class Frame:
                 "depend only on its inputs, or use policy='everything-saveable'."
                 + self._logs(replay)
             )
+
+    def explain_outside_grad(self) -> None:
+        """The recompute failed: raise `OutsideGradError` if that is why.
+
+        ``fn`` may call ``torch.autograd.grad`` with respect to a tensor that
+        reaches it only through a non-leaf argument (NOTE in ``_autograd_inside.py``):
+        the forward saw that path, the recompute (on detached arguments) cannot.
+        Run again, watching those calls, only on this failure path: the watch is
+        a mode that would cost every recompute a Python call per op.
+        """
+        outer = [t for t in self.inputs if t.grad_fn is not None]
+        if not outer:
+            return
+        watch = GradWatch(self.region.label, lambda t: feeds(t, outer))
+        try:
+            with watch:
+                self._run_recompute(self._replay(None))
+        except OutsideGradError:
+            raise
+        except Exception:  # another failure: the caller raises the original
+            return
 
     def _recompute_or_retry(self, replay: ReplayMode | None, live: list[bool] | None) -> None:
         try:
