@@ -99,13 +99,8 @@ def test_grad_with_respect_to_outside_tensor_raises(how: str, policy: str,
     message = str(info.value)
     assert "outer.<locals>.block (" in message and "test_grad_inside_region.py" in message
     assert "nondetermin" not in message.lower()
-    if how == "torch.func.grad" and policy == "nothing-saveable":
-        # The forward runs without autograd there: no torch.autograd.grad can run.
-        assert "calls torch.autograd.grad on a value that does not require grad" in message
-        assert "runs the function's forward as an autograd.Function forward" in message
-    else:
-        assert "calls torch.autograd.grad with respect to a tensor of shape (4, 3)" in message
-        assert "through an argument computed from it outside the region" in message
+    assert "calls torch.autograd.grad with respect to a tensor of shape (4, 3)" in message
+    assert "through an argument computed from it outside the region" in message
     assert "Use policy='everything-saveable' for this region" in message
     # The first fix: everything-saveable, in every engine.
     torch.manual_seed(0)
@@ -158,3 +153,56 @@ def test_grad_with_respect_to_the_argument_still_works(how: str, policy: str) ->
     expected = _run(how, program, _plain)
     torch.manual_seed(0)
     _assert_close(_run(how, program, _remat(policy=policy, **_engine(how))), expected)
+
+
+def mixed(x0: torch.Tensor, w: torch.Tensor, wrap: Wrap) -> torch.Tensor:
+    """x0 reaches the region both directly (a closure) and through its argument p."""
+    p = x0 * 2.0
+
+    def block(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        e = _energy(p + x0, w)
+        (g,) = torch.autograd.grad(e, x0, create_graph=True)
+        return (g**2).sum()
+
+    return wrap(block)(p, w)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("how", HOW)
+def test_path_partly_outside_raises(how: str, policy: str) -> None:
+    """The recompute would find only the direct path: a different, silent gradient."""
+    torch.manual_seed(0)
+    expected = _run(how, mixed, _plain)
+    torch.manual_seed(0)
+    pattern = r"calls torch.autograd.grad with respect to a tensor of shape \(4, 3\)"
+    with pytest.raises(remat.RematError, match=pattern):
+        _run(how, mixed, _remat(policy=policy, **_engine(how)))
+    torch.manual_seed(0)
+    fix = _remat(policy="everything-saveable", **_engine(how))
+    _assert_close(_run(how, mixed, fix), expected)
+
+
+@pytest.mark.parametrize("how", ["functional-backward", "torch.func.grad"])
+def test_torch_func_engine_nothing_saveable_says_so(how: str) -> None:
+    """Under the torch.func engine, nothing-saveable runs the forward without autograd:
+    a torch.autograd.grad inside it (even with respect to its argument) cannot run."""
+
+    def program(x0: torch.Tensor, w: torch.Tensor, wrap: Wrap) -> torch.Tensor:
+        def block(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            (g,) = torch.autograd.grad(_energy(p, w), p, create_graph=True)
+            return (g**2).sum()
+
+        return wrap(block)(x0 * 2.0, w)
+
+    torch.manual_seed(0)
+    expected = _run(how, program, _plain)
+    torch.manual_seed(0)
+    with pytest.raises(remat.RematError) as info:
+        _run(how, program, _remat(policy="nothing-saveable", engine="functional"))
+    message = str(info.value)
+    assert "program.<locals>.block (" in message
+    assert "calls torch.autograd.grad on a value that does not require grad" in message
+    assert "Use policy='everything-saveable' for this region" in message
+    torch.manual_seed(0)
+    fix = _remat(policy="everything-saveable", engine="functional")
+    _assert_close(_run(how, program, fix), expected)

@@ -651,14 +651,14 @@ class _HiddenInputGuard(TorchFunctionMode):
         i = self._outer(t)
         if i is None:
             return
-        outer = self.call.inputs
-        others = [x for j, x in enumerate(outer) if j != i and not _wrapped(x)]
-        if not _wrapped(outer[i]) and feeds(outer[i], others):
+        outer = self.call.inputs  # as given to the Function: their graph is walkable
+        others = [x for j, x in enumerate(outer) if j != i]
+        if feeds(outer[i], others):
             raise outside_grad_error(self.call.region.label, t)
 
     def check_grad_result(self, targets: list[torch.Tensor], out: tuple[Any, ...]) -> None:
-        # Under a torch.func transform the outer graph cannot be walked: a None
-        # gradient (allow_unused) for an input may be such a missing path. Loud.
+        # Where the outer graph cannot be walked (a vmap level hides it), a None
+        # gradient (allow_unused) for a wrapped input may be such a missing path. Loud.
         for t, g in zip(targets, out, strict=False):
             i = self._outer(t)
             if g is None and i is not None and _wrapped(self.call.inputs[i]):

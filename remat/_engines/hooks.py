@@ -151,6 +151,9 @@ class Frame:
         #: Parameters (leaves requiring grad) the forward saved views of.
         self.leaf_versions: dict[int, tuple[torch.Tensor, int]] = {}
         self.mutated_in_forward = False
+        #: Whether autograd ran a backward while the forward saved tensors
+        #: (``torch.autograd.grad`` inside ``fn``): the recompute then watches it.
+        self.inner_backward = False
         #: The frame whose recompute is running this region (rule 4), if any.
         self.parent: Frame | None = None
         self.phase = "forward"
@@ -234,6 +237,8 @@ class Frame:
     def _pack(self, t: torch.Tensor) -> Holder:
         holder = Holder(self, len(self.holders))
         self.holders.append(weakref.ref(holder))
+        if not self.inner_backward and torch._C._current_autograd_node() is not None:
+            self.inner_backward = True
         self.note_leaf(t)
         if self.check:
             self.metas.append((t.shape, t.dtype, t.device))
@@ -500,7 +505,8 @@ class Frame:
         try:
             with _disable_current_modes() if in_forward else contextlib.nullcontext():
                 try:
-                    self._recompute_or_retry(replay, live)
+                    with self.grad_watch():
+                        self._recompute_or_retry(replay, live)
                 except RuntimeError:
                     self.explain_outside_grad()
                     raise
@@ -525,6 +531,18 @@ class Frame:
                 "depend only on its inputs, or use policy='everything-saveable'."
                 + self._logs(replay)
             )
+
+    def grad_watch(self) -> contextlib.AbstractContextManager[Any]:
+        """A `GradWatch` for a recompute whose forward ran a backward, else nothing.
+
+        A tensor reaching ``fn`` both directly and through a non-leaf argument
+        would get, in the recompute, a gradient without the second path: wrong,
+        and silent. Only regions whose forward ran a backward pay for the watch.
+        """
+        outer = [t for t in self.inputs if t.grad_fn is not None]
+        if not self.inner_backward or not outer:
+            return contextlib.nullcontext()
+        return GradWatch(self.region.label, lambda t: feeds(t, outer))
 
     def explain_outside_grad(self) -> None:
         """The recompute failed: raise `OutsideGradError` if that is why.
