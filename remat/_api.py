@@ -282,7 +282,7 @@ def _call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) 
             "default) or engine='functional' for regions called under torch.func."
         )
     if engine == "functional" or (
-        engine == "auto" and (_transform_active() or region.label in _USES_TORCH_FUNC)
+        engine == "auto" and (_transform_active() or _torch_func_key(region) in _USES_TORCH_FUNC)
     ):
         return _run_functional(region, args, kwargs)
     if engine == "eager":
@@ -296,13 +296,19 @@ def _call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     # loss): the eager engine's saved-tensor hooks cannot run there, the
     # torch.func engine can. The transform refused at its start, before it ran
     # anything; remembered per function, so later calls go there at once.
-    _USES_TORCH_FUNC.add(region.label)
+    _USES_TORCH_FUNC.add(_torch_func_key(region))
     return _run_functional(region, args, kwargs)
 
 
-#: Labels of regions whose function runs a torch.func transform itself (by label:
-#: a wrapped module makes a `Region` per call).
-_USES_TORCH_FUNC: set[str] = set()
+#: Regions whose function runs a torch.func transform itself (`_torch_func_key`).
+_USES_TORCH_FUNC: set[str | int] = set()
+
+
+def _torch_func_key(region: Region) -> str | int:
+    # By label, "name (file:line)": a wrapped module makes a `Region` per call. A
+    # label without a source line (a ``remat.sequential`` segment) may name many
+    # functions: by the function object instead.
+    return region.label if region.label.endswith(")") else id(region.fn)
 
 
 def _run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -192,3 +192,21 @@ def test_wrapped_module_switches_once() -> None:
     remat.wrap(model, policy="dots-saveable")
     for _ in range(2):
         _assert_close(torch.autograd.grad(model(pos), (pos, model.w)), expected)
+
+
+def test_sequential_segments_switch() -> None:
+    """remat.sequential segments (one label for all) running torch.func inside."""
+    w = torch.randn(3, 3, requires_grad=True)
+
+    def step(pos: torch.Tensor) -> torch.Tensor:
+        return pos - 0.1 * torch.func.grad(energy)(pos, w)
+
+    pos = torch.randn(5, 3, requires_grad=True)
+    layers = [step, step, step, step]
+    out = pos
+    for layer in layers:
+        out = layer(out)
+    expected = torch.autograd.grad((out**2).sum(), (pos, w))
+    for policy in ("save-last", "nothing-saveable", "dots-saveable"):
+        y = remat.sequential(layers, pos, segments=2, policy=policy)
+        _assert_close(torch.autograd.grad((y**2).sum(), (pos, w)), expected)
