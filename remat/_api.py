@@ -12,7 +12,7 @@ import torch
 
 from . import policies
 from ._compile import uncompiled
-from ._engines.hooks import run_eager
+from ._engines.hooks import TorchFuncInsideError, run_eager
 from ._errors import RematError
 from ._lowering import contexts_for, lowers, run_lowered
 from ._offload import HostStore
@@ -22,12 +22,15 @@ from ._signature import inner_region
 from ._state import local
 from .policies import PolicyLike
 
-__all__ = ["call_region", "checkpoint", "checkpoint_name", "make_region", "remat"]
+__all__ = ["call_region", "check_options", "checkpoint", "checkpoint_name", "make_region", "remat"]
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 Engine = Literal["auto", "eager", "functional"]
 _ENGINES = ("auto", "eager", "functional")
+#: torch's ``determinism_check`` strings (``torch.utils.checkpoint``): "default" checks, "none" not.
+DeterminismCheck = bool | Literal["default", "none"]
+_DETERMINISM_STRINGS = {"default": True, "none": False}
 
 
 @overload
@@ -39,7 +42,7 @@ def remat(
     static_argnums: int | Sequence[int] = ...,
     static_argnames: str | Sequence[str] = ...,
     preserve_rng_state: bool = ...,
-    determinism_check: bool = ...,
+    determinism_check: DeterminismCheck = ...,
     debug: bool = ...,
     engine: Engine = ...,
     offload_store: HostStore | None = ...,
@@ -55,7 +58,7 @@ def remat(
     static_argnums: int | Sequence[int] = ...,
     static_argnames: str | Sequence[str] = ...,
     preserve_rng_state: bool = ...,
-    determinism_check: bool = ...,
+    determinism_check: DeterminismCheck = ...,
     debug: bool = ...,
     engine: Engine = ...,
     offload_store: HostStore | None = ...,
@@ -70,7 +73,7 @@ def remat(
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
     preserve_rng_state: bool = True,
-    determinism_check: bool = True,
+    determinism_check: DeterminismCheck = True,
     debug: bool = False,
     engine: Engine = "auto",
     offload_store: HostStore | None = None,
@@ -91,17 +94,22 @@ def remat(
             passed through untouched.
         preserve_rng_state (bool, optional): replay the forward's random state in
             the recompute, so dropout masks match. Default: True.
-        determinism_check (bool, optional): check that the recompute runs the same
-            ops on the same shapes and Python numbers as the forward, and raise
-            `RematError` naming the first difference if not. With False, a
+        determinism_check (bool | "default" | "none", optional): check that the
+            recompute runs the same ops on the same shapes and Python numbers as
+            the forward, and raise `RematError` naming the first difference if not. With False, a
             policy that keeps op outputs still compares the ops themselves: a
-            kept output handed to another op would be garbage. Default: True.
+            kept output handed to another op would be garbage. torch's strings
+            ``"default"`` (True) and ``"none"`` (False) are accepted. Default: True.
         debug (bool, optional): record the op log of every region, so a failed
             check prints the forward and recompute logs side by side. The
             environment variable ``REMAT_DEBUG=1`` turns it on everywhere.
         engine ("auto" | "eager" | "functional", optional): "auto" uses the
             ``torch.func`` engine when a transform is active and the eager one
-            otherwise. Default: "auto".
+            otherwise; and for a function that runs a ``torch.func`` transform
+            itself (``forces = -torch.func.grad(energy)(pos)`` inside the region),
+            which saved-tensor hooks cannot run: its first call notices it when the
+            transform starts (what ran before it runs once more, under the
+            ``torch.func`` engine), later calls go there directly. Default: "auto".
         offload_store (HostStore, optional): where ``OFFLOAD`` decisions put
             values (e.g. a ``CudaHostStore(min_bytes=..., prefetch_distance=...)``
             to tune the size threshold and the prefetch distance). Default: the
@@ -111,8 +119,10 @@ def remat(
         The rematerialized function (or a decorator, when ``fn`` is omitted).
 
     Raises:
-        TypeError: ``fn`` is not callable, or an option has the wrong type.
-        ValueError: the policy or a static argument is unknown.
+        TypeError: ``fn`` is not callable, or an option has the wrong type (a
+            flag that is not a bool, an aten op where a list of ops is expected,
+            an uncalled policy factory, a policy function of the wrong arity).
+        ValueError: the policy, an option's value or a static argument is unknown.
 
     Examples:
         >>> import torch, remat
@@ -166,18 +176,24 @@ def make_region(
     static_argnums: int | Sequence[int],
     static_argnames: str | Sequence[str],
     preserve_rng_state: bool,
-    determinism_check: bool,
+    determinism_check: DeterminismCheck,
     debug: bool,
     engine: str,
     offload_store: HostStore | None,
+    api: str = "remat.remat",
 ) -> Region:
-    """Validate `remat.remat`'s options for ``fn`` and bundle them as a `Region`."""
-    if engine not in _ENGINES:
-        raise ValueError(f"remat.remat: engine must be one of {_ENGINES}, got {engine!r}")
-    if offload_store is not None and not isinstance(offload_store, HostStore):
-        raise TypeError(
-            f"remat.remat: offload_store must be a HostStore or None, got {offload_store!r}"
-        )
+    """Validate `remat.remat`'s options for ``fn`` and bundle them as a `Region`.
+
+    ``api`` is the public function the options were given to, for messages.
+    """
+    flags = check_options(
+        api,
+        preserve_rng_state=preserve_rng_state,
+        determinism_check=determinism_check,
+        debug=debug,
+        engine=engine,
+        offload_store=offload_store,
+    )
     argnums = _normalize(static_argnums, int, "static_argnums")
     argnames = _normalize(static_argnames, str, "static_argnames")
     _check_static(fn, argnums, argnames)
@@ -185,15 +201,58 @@ def make_region(
     return Region(
         fn=fn,
         policy=resolved,
-        preserve_rng_state=bool(preserve_rng_state),
-        determinism_check=bool(determinism_check),
-        debug=bool(debug) or os.environ.get("REMAT_DEBUG", "") not in ("", "0"),
+        preserve_rng_state=flags["preserve_rng_state"],
+        determinism_check=flags["determinism_check"],
+        debug=flags["debug"] or os.environ.get("REMAT_DEBUG", "") not in ("", "0"),
         label=describe_callable(fn),
         static_argnums=frozenset(argnums),
         static_argnames=frozenset(argnames),
         offload_store=offload_store,
         engine=engine,
         selective=contexts_for(resolved),
+    )
+
+
+def check_options(api: str, **options: Any) -> dict[str, bool]:
+    """Check the options `remat.remat` shares with ``api``; return the flags as bools.
+
+    Flags are never coerced with ``bool()``: ``preserve_rng_state=None`` or
+    ``"no"`` would silently mean False or True. Options not given are not checked.
+    """
+    flags: dict[str, bool] = {}
+    for name in ("preserve_rng_state", "debug"):
+        if name in options:
+            flags[name] = _flag(api, name, options[name])
+    if "determinism_check" in options:
+        flags["determinism_check"] = _determinism_check(api, options["determinism_check"])
+    engine = options.get("engine", "auto")
+    if not isinstance(engine, str) or engine not in _ENGINES:
+        raise ValueError(f"{api}: engine must be one of {_ENGINES}, got {engine!r}")
+    store = options.get("offload_store")
+    if store is not None and not isinstance(store, HostStore):
+        raise TypeError(f"{api}: offload_store must be a HostStore or None, got {store!r}")
+    return flags
+
+
+def _flag(api: str, name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise TypeError(
+        f"{api}: {name} must be True or False, got {value!r} ({type(value).__name__}); "
+        f"write {name}=True or {name}=False."
+    )
+
+
+def _determinism_check(api: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value in _DETERMINISM_STRINGS:
+        return _DETERMINISM_STRINGS[value]
+    error = ValueError if isinstance(value, str) else TypeError
+    raise error(
+        f"{api}: determinism_check must be True, False, 'default' (the same as True) or "
+        f"'none' (the same as False), got {value!r} ({type(value).__name__}); write "
+        "determinism_check=True or determinism_check=False."
     )
 
 
@@ -230,11 +289,40 @@ def _run_on_engine(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
             "transform, where saved-tensor hooks do not run. Use engine='auto' (the "
             "default) or engine='functional' for regions called under torch.func."
         )
-    if engine == "functional" or (engine == "auto" and _transform_active()):
-        from ._engines.functional import run_functional
+    if engine == "functional" or (
+        engine == "auto" and (_transform_active() or _torch_func_key(region) in _USES_TORCH_FUNC)
+    ):
+        return _run_functional(region, args, kwargs)
+    if engine == "eager":
+        return run_eager(region, args, kwargs)
+    try:
+        return run_eager(region, args, kwargs)
+    except TorchFuncInsideError as error:
+        if not error.clean:
+            raise
+    # ``fn`` runs a torch.func transform itself (forces from an energy, a physics
+    # loss): the eager engine's saved-tensor hooks cannot run there, the
+    # torch.func engine can. The transform refused at its start, before it ran
+    # anything; remembered per function, so later calls go there at once.
+    _USES_TORCH_FUNC.add(_torch_func_key(region))
+    return _run_functional(region, args, kwargs)
 
-        return run_functional(region, args, kwargs)
-    return run_eager(region, args, kwargs)
+
+#: Regions whose function runs a torch.func transform itself (`_torch_func_key`).
+_USES_TORCH_FUNC: set[str | int] = set()
+
+
+def _torch_func_key(region: Region) -> str | int:
+    # By label, "name (file:line)": a wrapped module makes a `Region` per call. A
+    # label without a source line (a ``remat.sequential`` segment) may name many
+    # functions: by the function object instead.
+    return region.label if region.label.endswith(")") else id(region.fn)
+
+
+def _run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    from ._engines.functional import run_functional
+
+    return run_functional(region, args, kwargs)
 
 
 def _transform_active() -> bool:

@@ -39,7 +39,7 @@ from . import policies as _policies
 from ._engines.hooks import Frame, Holder
 from ._memory import ComputeOpCounter
 from ._region import Region, describe_callable
-from ._replay import TAG, OpRecord
+from ._replay import TAG, OpRecord, storage_address
 from .policies import Decision, PolicyLike
 
 __all__ = [
@@ -292,7 +292,8 @@ def _merge(items: list[_Item], base: dict[int, str]) -> list[Residual]:
 
 
 def _ptr(t: torch.Tensor) -> int:
-    return int(t.untyped_storage().data_ptr())
+    # Wrapper subclasses have no data pointer; one with no inner storage is its own.
+    return storage_address(t) or id(t)
 
 
 class _SourceMode(TorchDispatchMode):

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from . import policies
-from ._api import call_region, make_region, remat
+from ._api import call_region, check_options, make_region, remat
 from ._compile import uncompiled
 from ._lowering import lowers, run_lowered
 from ._module_state import StateGuard
@@ -110,6 +110,7 @@ class _RematForward:
         original: Callable[..., Any] | None,
         policy: Any,
         options: dict[str, Any],
+        api: str = "remat.wrap",
     ) -> None:
         self.module_ref = weakref.ref(module)
         #: The instance attribute ``forward`` the module had before `wrap`, if any.
@@ -117,7 +118,7 @@ class _RematForward:
         # Validated once, here, against the real forward (its signature and source
         # line); each call only swaps in a fresh `_Forward`.
         bound = _bound_forward(module, original)
-        region = make_region(bound, policy=policy, **_OPTIONS | options)
+        region = make_region(bound, policy=policy, api=api, **_OPTIONS | options)
         self.region = dataclasses.replace(region, fn=_unset)
         self.__signature__ = inspect.signature(bound)
 
@@ -255,20 +256,30 @@ def wrap(module: M, /, *, policy: PolicyLike = "nothing-saveable", **remat_optio
         >>> list(block.state_dict())
         ['0.weight', '0.bias']
     """
-    unknown = sorted(set(remat_options) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"remat.wrap: unknown option {unknown[0]!r}; the options are "
-            f"{', '.join(['policy', *_OPTIONS])}"
-        )
+    return _wrap(module, policy, remat_options, "remat.wrap")
+
+
+def _wrap(module: M, policy: PolicyLike, remat_options: dict[str, Any], api: str) -> M:
+    _check_options(api, remat_options)
     if not isinstance(module, nn.Module):
-        raise TypeError(f"remat.wrap: expected an nn.Module, got {type(module).__name__}")
+        raise TypeError(f"{api}: expected an nn.Module, got {type(module).__name__}")
     current = module.__dict__.get("forward")
     original = current.original if isinstance(current, _RematForward) else current
     resolved = policies.resolve(policy)
-    module.forward = _RematForward(module, original, resolved, dict(remat_options))
+    module.forward = _RematForward(module, original, resolved, dict(remat_options), api)
     module._replicate_for_data_parallel = _Replicator(module)  # type: ignore[method-assign]
     return module
+
+
+def _check_options(api: str, remat_options: dict[str, Any]) -> None:
+    """Reject unknown options and bad flags before anything is wrapped or run."""
+    unknown = sorted(set(remat_options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"{api}: unknown option {unknown[0]!r}; the options are "
+            f"{', '.join(['policy', *_OPTIONS])}"
+        )
+    check_options(api, **remat_options)
 
 
 def unwrap(module: M, /) -> M:
@@ -335,6 +346,9 @@ def apply(
         >>> [remat.is_wrapped(m) for m in model]
         [True, False, True]
     """
+    _check_options("remat.apply", remat_options)
+    if not isinstance(policy, Mapping) and not _is_policy_callback(policy):
+        policies.resolve(policy)  # a bad policy raises even when nothing matches
     select = _selector(where)
     chosen: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
@@ -343,7 +357,7 @@ def apply(
         if select(name, module):
             chosen.append((name, module))
     for name, module in chosen:
-        wrap(module, policy=_policy_for(policy, name, module), **remat_options)
+        _wrap(module, _policy_for(policy, name, module), remat_options, "remat.apply")
     return model
 
 
@@ -485,6 +499,8 @@ def sequential(
         >>> net[0].weight.grad.shape
         torch.Size([4, 4])
     """
+    _check_options("remat.sequential", remat_options)
+    policies.resolve(policy)
     layers = list(layers)
     for i, layer in enumerate(layers):
         if not callable(layer):

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import difflib
+import inspect
+import re
 from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
 
 from ._policy_base import Policy, PolicyLike
 from ._policy_jax import (
@@ -20,7 +25,11 @@ from ._policy_jax import (
     save_last,
     save_only_these_names,
 )
-from ._policy_ops import from_callable, save_these_ops
+from ._policy_ops import (
+    from_callable,
+    from_selective_checkpoint,
+    save_these_ops,
+)
 
 # ---------------------------------------------------------------------------
 # Strings
@@ -122,12 +131,90 @@ def _resolve_one(text: str) -> Policy:
         guess = [f"{close[0]}:{rest}"] if close else []
         raise _unknown(text, f"{key}:{rest}", guess)
     parts = tuple(n.strip() for n in rest.split(","))
+    spaced = [n for n in parts if re.search(r"\s", n)]
+    if spaced:
+        fixed = ",".join(n for part in parts for n in part.split())
+        raise ValueError(
+            f"remat.policies.resolve: policy {text!r} has a name with a space in it "
+            f"({spaced[0]!r}); names are separated by commas: write '{key}:{fixed}'."
+        )
     if not all(parts):
         raise ValueError(
             f"remat.policies.resolve: policy {text!r} has an empty name; write "
             f"'{key}:NAMES' with one or more comma-separated names, e.g. '{key}:a,b'."
         )
     return _PATTERNS[key](parts)
+
+
+#: Policy factories, with a call to suggest when one is passed uncalled.
+_FACTORIES: dict[Any, str] = {
+    save_only_these_names: 'save_only_these_names("attn_out")',
+    save_any_names_but_these: 'save_any_names_but_these("attn_out")',
+    save_anything_except_these_names: 'save_anything_except_these_names("attn_out")',
+    save_and_offload_only_these_names: (
+        'save_and_offload_only_these_names(names_which_can_be_offloaded=["attn_out"])'
+    ),
+    offload_dot_with_no_batch_dims: "offload_dot_with_no_batch_dims()",
+    save_from_both_policies: "save_from_both_policies(dots_saveable, save_last)",
+    save_these_ops: "save_these_ops(torch.ops.aten.mm)",
+    from_callable: "from_callable(my_policy_fn)",
+    from_selective_checkpoint: "from_selective_checkpoint(my_policy_fn)",
+}
+
+
+def _check_policy_function(fn: Callable[..., Any]) -> None:
+    """A callable policy: not an uncalled factory or class, and callable as fn(op, *args, **kwargs).
+
+    Checked when the policy is given, since a wrong one fails (or decides
+    nonsense) only once an op runs.
+    """
+    factory = next((call for f, call in _FACTORIES.items() if f is fn), None)
+    if factory is not None:
+        name = getattr(fn, "__name__", repr(fn))
+        raise TypeError(
+            f"remat.policies.resolve: got the policy factory remat.policies.{name} itself, "
+            f"not a policy; call it, e.g. policy=remat.policies.{factory}."
+        )
+    if isinstance(fn, type):
+        raise TypeError(
+            f"remat.policies.resolve: got the class {fn.__qualname__}, not a policy; pass a "
+            "policy object or a name such as 'dots-saveable'."
+        )
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins and some C callables have none
+    params = list(signature.parameters.values())
+    kinds = {p.kind for p in params}
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    required_kw = [p for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    takes_op = bool(positional) or inspect.Parameter.VAR_POSITIONAL in kinds
+    if (
+        len(required) <= 1
+        and takes_op
+        and not required_kw
+        and inspect.Parameter.VAR_POSITIONAL in kinds
+        and inspect.Parameter.VAR_KEYWORD in kinds
+    ):
+        return
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    bare = signature.replace(  # without annotations: the message shows the arity
+        parameters=[p.replace(annotation=p.empty) for p in params],
+        return_annotation=inspect.Signature.empty,
+    )
+    hint = ""
+    if len(required) == 2 and required[0].name == "ctx":
+        hint = (
+            " It looks like a torch.utils.checkpoint selective-checkpoint policy "
+            f"(ctx, op, ...): pass policy=remat.policies.from_selective_checkpoint({name})."
+        )
+    raise TypeError(
+        f"remat.policies.resolve: the policy function {name}{bare} cannot be called as "
+        "fn(op, *args, **kwargs): remat calls it once per op with the aten op, then the "
+        "op's positional and keyword arguments. Define it as "
+        "def policy(op, *args, **kwargs) -> bool | Decision." + hint
+    )
 
 
 def resolve(policy: PolicyLike) -> Policy:
@@ -172,7 +259,13 @@ def resolve(policy: PolicyLike) -> Policy:
         return result
     if isinstance(policy, list | tuple | set | frozenset):
         return save_these_ops(*policy)
+    if isinstance(policy, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        raise TypeError(
+            f"remat.policies.resolve: got the aten op {policy}, not a policy; to save its "
+            f"outputs pass a list of ops: policy=[torch.ops.{policy}]."
+        )
     if callable(policy):
+        _check_policy_function(policy)
         return from_callable(policy)
     raise TypeError(
         "remat.policies.resolve: expected a Policy, a policy name such as 'dots-saveable', "

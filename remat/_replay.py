@@ -15,7 +15,9 @@ NOTE [ Record and replay ]
    in place after it was kept is not replayed; the op runs again instead.
 4. Random ops are never kept: skipping one in the recompute would shift the
    random stream for every later op. In-place ops are never kept either: their
-   output is their input.
+   output is their input. Nor are ops that make inference tensors (a
+   ``torch.inference_mode()`` block inside the region): those have no version
+   counter, and rerunning them is how the recompute gets the same constants.
 5. Dead ops are not run. Each record knows which earlier records produced its
    inputs, and the log knows which inner regions ran inside it. Before a
    recompute, `OpLog.liveness` walks back from the records whose outputs
@@ -53,7 +55,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from . import _ops
 from ._errors import NondeterministicRecomputeError, RematError
@@ -90,10 +92,28 @@ def _inherit_tag(source: Any, out: Any) -> None:
 
 
 def storage_address(t: torch.Tensor) -> int:
-    """The address of ``t``'s storage; 0 when it has none (sparse, nested, a zero tensor)."""
+    """The address of ``t``'s storage; 0 when it has none (sparse, nested, a zero tensor).
+
+    A wrapper subclass (``_make_wrapper_subclass``, ``__torch_dispatch__``) has a
+    storage with no data pointer (touching it raises): a traceable one is
+    identified by its first inner tensor, which its in-place ops write to; any
+    other one has no address.
+    """
     if t.layout is not torch.strided or t.is_nested or t._is_zerotensor():
         return 0
+    if type(t) is not torch.Tensor and _is_wrapper_subclass(t):
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            inner = getattr(t, names[0], None) if names else None
+            return storage_address(inner) if isinstance(inner, torch.Tensor) else 0
+        return 0
     return int(t.untyped_storage().data_ptr())
+
+
+def _is_wrapper_subclass(t: torch.Tensor) -> bool:
+    # Only Python subclasses with their own ``__torch_dispatch__`` carry the Python
+    # dispatch key; a plain subclass (``nn.Parameter``) has a real storage.
+    return torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
 
 
 def physical(t: torch.Tensor) -> torch.Tensor:
@@ -221,7 +241,14 @@ class OpLog:
             raise _fsdp_inside(self.label, op)
         if traits.writes:
             self._invalidate_written(traits, args, kwargs)
-        effectful = traits.writes or _draws_random(traits, args, kwargs)
+        # An op run under ``torch.inference_mode()`` inside the region makes
+        # inference tensors: constants with no version counter, which autograd
+        # never saves. They are not kept (NOTE rule 4): the recompute makes them again.
+        effectful = (
+            traits.writes
+            or _draws_random(traits, args, kwargs)
+            or any(t.is_inference() for t in outputs)
+        )
         if effectful:
             verdict: Hashable = None
             decision = Decision.RECOMPUTE

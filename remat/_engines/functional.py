@@ -117,6 +117,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .._autocast import AutocastState
+from .._autograd_inside import differentiated_by, feeds, outside_grad_error
 from .._closure import Bindings, find_closed_over
 from .._compile import uncompiled
 from .._errors import RematError
@@ -266,7 +267,8 @@ class _Call:
         for position, tensor in zip(self.tensor_positions, tensors[:count], strict=True):
             leaves[position] = tensor
         args, kwargs = optree.tree_unflatten(self.treedef, leaves)
-        with self.bindings.swapped(tensors[count:]), self.state.guarded(), self.trace.watching():
+        with self.bindings.swapped(tensors[count:]), self.state.guarded(), \
+                self.trace.watching(), _inference_mode_errors(self.region):
             out = self.fn(*args, **kwargs)
         out_leaves, out_treedef = flatten_region_io(out)
         positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
@@ -632,6 +634,10 @@ def _tracked(t: torch.Tensor) -> bool:
         t = _functorch.get_unwrapped(t)
 
 
+def _wrapped(t: torch.Tensor) -> bool:
+    return bool(_functorch.is_functorch_wrapped_tensor(t))
+
+
 def _differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
@@ -677,6 +683,32 @@ def _backward_is_differentiated(
 
 
 @contextlib.contextmanager
+def _inference_mode_errors(region: Region) -> Iterator[None]:
+    """Say what to do when ``fn`` reads a transformed tensor under ``inference_mode``.
+
+    This engine runs ``fn`` on functorch wrappers (its backward always does, under
+    ``torch.func.vjp``), and torch refuses to detach or save one inside an
+    ``inference_mode`` block. ``no_grad`` computes the same constant and works.
+    """
+    try:
+        yield
+    except RuntimeError as error:
+        text = str(error)
+        known = ("version_counter for inference tensor", "do not track version counter")
+        if isinstance(error, RematError) or not any(k in text for k in known):
+            raise
+        raise RematError(
+            f"remat: {region.label} uses a torch.func-transformed tensor inside a "
+            f"torch.inference_mode() block ({error}). The torch.func engine runs the "
+            "function on transformed tensors (its backward always does, through "
+            "torch.func.vjp), and torch refuses those in inference mode. Use "
+            "torch.no_grad() instead of torch.inference_mode() for that block (it "
+            "computes the same constant), or, for a loss.backward() outside any "
+            "torch.func transform, pass engine='eager' to remat."
+        ) from error
+
+
+@contextlib.contextmanager
 def _below_all_levels() -> Iterator[None]:
     """Plain tensor ops, seen by no dispatch mode and no functorch level (store copies)."""
     with _disable_current_modes(), torch._C._DisableFuncTorch():
@@ -717,6 +749,7 @@ class _HiddenInputGuard(TorchFunctionMode):
         super().__init__()
         self.call = call
         self.known = {id(t) for t in inputs}
+        self.inputs = list(inputs)
         #: Ids of tensors aten ops made inside the forward (filled by `_Births`).
         self.born: set[int] = set()
         self.live = {i.level() for i in retrieve_all_functorch_interpreters()}
@@ -742,11 +775,63 @@ class _HiddenInputGuard(TorchFunctionMode):
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and id(leaf) not in self.known:
                 self.check(leaf, func)
-        out = func(*args, **kwargs)
+        targets = differentiated_by(func, args, kwargs)
+        for t in targets:
+            self.check_grad_target(t)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as error:
+            if targets and "not have been used in the graph" in str(error):
+                self.check_grad_result(targets, (None,) * len(targets))
+            if targets and "does not require grad and does not have a grad_fn" in str(error):
+                raise self.no_autograd_inside(error) from error
+            raise
+        if targets and isinstance(out, tuple):
+            self.check_grad_result(targets, out)
         out_leaves: list[Any] = optree.tree_leaves(out, none_is_leaf=True)
         self.know(out_leaves)
         self.call.escapes.note(func, args, kwargs, leaves, out_leaves)
         return out
+
+    def no_autograd_inside(self, error: RuntimeError) -> RematError:
+        region = self.call.region
+        return RematError(
+            f"remat: {region.label} calls torch.autograd.grad on a value that does not "
+            f"require grad ({error}). Under the torch.func engine, policy "
+            f"{region.policy!r} runs the function's forward as an autograd.Function "
+            "forward, without autograd, so nothing inside it can be differentiated "
+            "there. Use policy='everything-saveable' for this region (it then runs as "
+            "plain autograd)."
+        )
+
+    def _outer(self, t: torch.Tensor) -> int | None:
+        """The index of the Function input that ``t`` is (or wraps), if any."""
+        while True:
+            for i, given in enumerate(self.inputs):
+                if t is given:
+                    return i
+            if not _functorch.is_functorch_wrapped_tensor(t):
+                return None
+            t = _functorch.get_unwrapped(t)
+
+    def check_grad_target(self, t: torch.Tensor) -> None:
+        """``torch.autograd.grad`` with respect to an input that feeds another input
+        outside the region: that path is not in the Function (``_autograd_inside.py``)."""
+        i = self._outer(t)
+        if i is None:
+            return
+        outer = self.call.inputs  # as given to the Function: their graph is walkable
+        others = [x for j, x in enumerate(outer) if j != i]
+        if feeds(outer[i], others):
+            raise outside_grad_error(self.call.region.label, t)
+
+    def check_grad_result(self, targets: list[torch.Tensor], out: tuple[Any, ...]) -> None:
+        # Where the outer graph cannot be walked (a vmap level hides it), a None
+        # gradient (allow_unused) for a wrapped input may be such a missing path. Loud.
+        for t, g in zip(targets, out, strict=False):
+            i = self._outer(t)
+            if g is None and i is not None and _wrapped(self.call.inputs[i]):
+                raise outside_grad_error(self.call.region.label, t)
 
     def check(self, t: torch.Tensor, func: Any) -> None:
         if _functorch.is_functorch_wrapped_tensor(t):

@@ -53,6 +53,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .._autocast import AutocastState
+from .._autograd_inside import GradWatch, OutsideGradError, feeds
 from .._compile import uncompiled
 from .._errors import NondeterministicRecomputeError, RematError, SavedInputMutatedError
 from .._module_state import state_guard_of
@@ -72,7 +73,23 @@ from .._signature import CURES, SavedSignature, describe_saved, divergence, save
 from .._state import local, recomputing
 from ..policies import Decision
 
-__all__ = ["Frame", "Holder", "run_eager"]
+__all__ = ["Frame", "Holder", "TorchFuncInsideError", "run_eager"]
+
+
+#: What torch says when a torch.func transform starts under saved-tensor hooks.
+_HOOKS_REFUSED = "don't yet support saved tensor hooks"
+
+
+class TorchFuncInsideError(RematError):
+    """A region's function calls a torch.func transform, which the eager engine cannot run.
+
+    ``clean``: nothing ran before the transform that a second run would change
+    (the "auto" engine choice then runs the region under the torch.func engine).
+    """
+
+    def __init__(self, message: str, clean: bool) -> None:
+        super().__init__(message)
+        self.clean = clean
 
 
 class _StopRecompute(BaseException):
@@ -142,6 +159,9 @@ class Frame:
         #: Parameters (leaves requiring grad) the forward saved views of.
         self.leaf_versions: dict[int, tuple[torch.Tensor, int]] = {}
         self.mutated_in_forward = False
+        #: Whether autograd ran a backward while the forward saved tensors
+        #: (``torch.autograd.grad`` inside ``fn``): the recompute then watches it.
+        self.inner_backward = False
         #: The frame whose recompute is running this region (rule 4), if any.
         self.parent: Frame | None = None
         self.phase = "forward"
@@ -158,21 +178,65 @@ class Frame:
     # -- forward -------------------------------------------------------------
 
     def run_forward(self) -> Any:
-        start_versions = [t._version for t in self.inputs]
+        start_versions = [_version(t) for t in self.inputs]
         self.versions = start_versions
+        failure: RuntimeError | None = None
         with contextlib.ExitStack() as stack:
             stack.enter_context(_pushed(self))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
             if self.log is not None:
                 stack.enter_context(RecordMode(self.log))
             stack.enter_context(self.state_guard.guarded())
-            out = self.region.fn(*self.args, **self.kwargs)
-        self.versions = [t._version for t in self.inputs]
+            try:
+                out = self.region.fn(*self.args, **self.kwargs)
+            except RuntimeError as error:
+                if _HOOKS_REFUSED not in str(error) or isinstance(error, RematError):
+                    raise
+                failure = error
+        if failure is not None:
+            raise self.torch_func_inside() from failure
+        self.versions = [_version(t) for t in self.inputs]
         self.mutated_in_forward = self.versions != start_versions
         self.rng_after = self.rng.now() if self.rng is not None else None
         self.phase = "done"
         self.finish_forward(out)
         return out
+
+    def torch_func_inside(self) -> TorchFuncInsideError:
+        """``fn`` started a torch.func transform, which refuses saved-tensor hooks.
+
+        The transform refuses at its start, so ``fn`` can run again under the
+        torch.func engine if what ran before it changed nothing remat cannot put
+        back: the random generators are rewound; an input written in place, or a
+        stateful module's buffers (BatchNorm statistics), make it unclean.
+        """
+        clean = [_version(t) for t in self.inputs] == self.versions
+        seen = getattr(self.state_guard, "seen", None) or ()
+        with _disable_current_modes(), torch.no_grad():
+            if any(not torch.equal(table[name], copy) for table, name, copy in seen):
+                clean = False
+        if self.rng is not None:
+            _rewind(self.rng)
+        what = (
+            f"remat: {self.region.label} calls a torch.func transform (grad, vjp, jacrev, "
+            "hessian, ...) inside, where the eager engine's saved-tensor hooks cannot run"
+        )
+        if not clean:
+            message = (
+                f"{what}, and before it the function modified an input in place or a "
+                "module's buffers (BatchNorm statistics), which running it again under "
+                "the torch.func engine would modify twice. Make the part that calls the "
+                "transform a region of its own, with those changes outside it."
+            )
+        elif self.region.engine == "eager":
+            message = (
+                f"{what}. Use engine='functional' (or 'auto', the default, which switches "
+                "by itself): it runs the region as an autograd.Function, which works under "
+                "loss.backward() too."
+            )
+        else:
+            message = f"{what}."  # "auto" switches engines: never shown
+        return TorchFuncInsideError(message, clean=clean)
 
     def pack(self, t: torch.Tensor) -> Holder:
         # A compiled module run inside the region: Dynamo must not trace our hooks.
@@ -181,6 +245,8 @@ class Frame:
     def _pack(self, t: torch.Tensor) -> Holder:
         holder = Holder(self, len(self.holders))
         self.holders.append(weakref.ref(holder))
+        if not self.inner_backward and torch._C._current_autograd_node() is not None:
+            self.inner_backward = True
         self.note_leaf(t)
         if self.check:
             self.metas.append(saved_signature(t, id(t) in self.input_ids))
@@ -240,7 +306,15 @@ class Frame:
         # Only outputs something will read are worth a copy to the host.
         self.offload_kept(out, None if self.keep_all else self.liveness())
         for holder in self.alive():
-            if holder.tensor is None and holder.source is not None:
+            if holder.tensor is not None and self.named_to_recompute(holder):
+                # Saved by its own op (``exp`` saves its result) before
+                # `checkpoint_name` gave it a name the policy recomputes: the
+                # name overrides the op's decision here too.
+                if self.keep_all:
+                    holder.demotable = True
+                else:
+                    holder.tensor = None
+            elif holder.tensor is None and holder.source is not None:
                 record, position = holder.source
                 if (id(record), position) in self.offloaded:
                     holder.tensor = self.offloaded[id(record), position][2]
@@ -251,6 +325,14 @@ class Frame:
         if not self.keep_all:
             self.release_unread()
             self.prune_offloaded()
+
+    def named_to_recompute(self, holder: Holder) -> bool:
+        """Whether a name given after ``holder`` was packed makes the policy recompute it."""
+        if holder.source is None or not holder.owned or holder.demotable:
+            return False
+        record, position = holder.source
+        named = record.named.get(position) if record.named is not None else None
+        return named is not None and named[1] is Decision.RECOMPUTE
 
     # -- offload (NOTE rule 6) -------------------------------------------------
 
@@ -430,7 +512,14 @@ class Frame:
         in_forward = self.phase == "forward"
         try:
             with _disable_current_modes() if in_forward else contextlib.nullcontext():
-                self._recompute_or_retry(replay, live)
+                try:
+                    with self.grad_watch():
+                        self._recompute_or_retry(replay, live)
+                except RuntimeError:
+                    self.explain_outside_grad()
+                    raise
+                if any(h.tensor is None for h in self.needed.values()):
+                    self.explain_outside_grad()
         finally:
             self.phase = "forward" if in_forward else "done"
             for record, position in restored:
@@ -449,6 +538,39 @@ class Frame:
                 f"{len(self.holders)}: it ran different ops the second time. Its gradients "
                 f"would be wrong. {CURES}" + self._logs(replay)
             )
+
+    def grad_watch(self) -> contextlib.AbstractContextManager[Any]:
+        """A `GradWatch` for a recompute whose forward ran a backward, else nothing.
+
+        A tensor reaching ``fn`` both directly and through a non-leaf argument
+        would get, in the recompute, a gradient without the second path: wrong,
+        and silent. Only regions whose forward ran a backward pay for the watch.
+        """
+        outer = [t for t in self.inputs if t.grad_fn is not None]
+        if not self.inner_backward or not outer:
+            return contextlib.nullcontext()
+        return GradWatch(self.region.label, lambda t: feeds(t, outer))
+
+    def explain_outside_grad(self) -> None:
+        """The recompute failed: raise `OutsideGradError` if that is why.
+
+        ``fn`` may call ``torch.autograd.grad`` with respect to a tensor that
+        reaches it only through a non-leaf argument (NOTE in ``_autograd_inside.py``):
+        the forward saw that path, the recompute (on detached arguments) cannot.
+        Run again, watching those calls, only on this failure path: the watch is
+        a mode that would cost every recompute a Python call per op.
+        """
+        outer = [t for t in self.inputs if t.grad_fn is not None]
+        if not outer:
+            return
+        watch = GradWatch(self.region.label, lambda t: feeds(t, outer))
+        try:
+            with watch:
+                self._run_recompute(self._replay(None))
+        except OutsideGradError:
+            raise
+        except Exception:  # another failure: the caller raises the original
+            return
 
     def _recompute_or_retry(self, replay: ReplayMode | None, live: list[bool] | None) -> None:
         try:
@@ -545,7 +667,7 @@ class Frame:
 
     def check_inputs(self) -> None:
         for position, (t, version) in enumerate(zip(self.inputs, self.versions, strict=True)):
-            if t._version != version:
+            if _version(t) != version:
                 raise SavedInputMutatedError(
                     f"remat: input #{position} of {self.region.label} (shape "
                     f"{tuple(t.shape)}) was modified in place after the forward pass, so it "
@@ -577,6 +699,19 @@ class Frame:
         """The holders autograd still references (the others were consumed or dropped)."""
         return [h for h in (ref() for ref in self.holders) if h is not None]
 
+
+
+def _rewind(rng: RngState) -> None:
+    """Put the generators back where ``rng`` captured them (for good, not for a block)."""
+    torch.set_rng_state(rng.cpu)
+    for device, state in rng.cuda:
+        torch.cuda.set_rng_state(state, device)
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t._version``; 0 for an inference tensor (made under ``inference_mode``), which
+    has no version counter and cannot be written outside inference mode."""
+    return 0 if t.is_inference() else t._version
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
