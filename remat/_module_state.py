@@ -159,8 +159,9 @@ class StateGuard:
        forward (an optimizer step before backward, a second forward of a
        non-stateful module that updates its buffer) raises
        `SavedInputMutatedError` instead of recomputing from the new values.
-       Inside the torch.func engine the slots are its own (``_closure.py``
-       snapshots them), so this rule stands aside.
+       Inside the torch.func engine this rule stands aside: that engine
+       snapshots the slots (``_closure.py``) and substitutes at each op
+       what the forward saw, writing nothing to them.
     2. Every buffer of a stateful module is swapped for a copy of its snapshot,
        and the real buffers are put back afterwards, also when the engine stops
        the recompute early. So the recompute computes with the numbers the
@@ -196,7 +197,7 @@ class StateGuard:
 
     def _forward(self) -> Iterator[None]:
         self.seen, self.pins = [], []
-        if local.slot_swaps:  # the torch.func engine's own snapshot is in charge of pins
+        if local.substitutions:  # the torch.func engine maps the slots itself: no pins
             self.pins = None
         for owner in self.owners:
             self._pin(type(owner).__qualname__, owner, recurse=False)
@@ -245,7 +246,7 @@ class StateGuard:
     @contextlib.contextmanager
     def _pinned(self) -> Iterator[None]:
         assert self.pins is not None, "this is a bug in remat, please report it"
-        if local.slot_swaps:  # the torch.func engine's own snapshot is in charge
+        if local.substitutions:  # the torch.func engine maps the slots itself
             yield
             return
         moved: list[tuple[_Pin, torch.Tensor]] = []

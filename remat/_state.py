@@ -22,9 +22,10 @@ class _Local(threading.local):
         self.last_region: Any = None
         #: The same for the torch.func engine: the op log of its last `save_last` region.
         self.last_functional_log: Any = None
-        #: How many torch.func-engine calls have their closed-over slots swapped (they own
-        #: the module slots then; see `_closure.Bindings.swapped`).
-        self.slot_swaps = 0
+        #: The torch.func engine's op substitutions running on this thread, innermost
+        #: last (`functional._Substitution`). While one runs, that engine maps the
+        #: tensors ``fn`` reads (module slots included) itself, writing no slot.
+        self.substitutions: list[Any] = []
 
 
 local = _Local()

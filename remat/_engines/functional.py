@@ -14,11 +14,20 @@ NOTE [ The functional engine ]
    the policy looks at ops, keeping the outputs it decides to save. `backward`
    is called by the level being differentiated, with the inputs that level saw.
 2. Closed-over tensors (NOTE [ Closed-over tensors ] in ``_closure.py``) become
-   explicit inputs, swapped into their slots while ``fn`` runs. A guard (a
-   `TorchFunctionMode` around the forward) raises `RematError` for any tensor
-   ``fn`` uses that the Function was not given: a functorch wrapper of a level
-   that is not live inside the forward, or a tensor that requires grad. Without
-   it such a tensor would silently get a zero gradient.
+   explicit inputs. ``fn`` runs on the user's own arguments and closure (no
+   copies, no slot written: what it appends to a list stays appended, and
+   another thread reading the same global sees nothing of ours); a tensor
+   argument itself is passed as the Function's view, and `_Substitution` (a
+   `TorchFunctionMode`, so per thread) gives each op the Function's view of
+   every other tensor ``fn`` reached, by identity, in the forward and in every
+   recompute. A recompute also maps slots rebound since the forward
+   (`Bindings.remap`) and, for a container whose structure changed, follows the
+   forward's trace of which op read which input. A guard (a second mode around
+   the forward) raises `RematError` for any tensor ``fn`` uses that the
+   Function was not given: a functorch wrapper of a level that is not live
+   inside the forward, a tensor that requires grad, or a tensor ``fn`` reached
+   that got to an op unsubstituted. Without it such a tensor would silently
+   get a zero gradient.
 3. Replay. The record and replay modes sit below autograd and below every
    functorch layer, so every level above still records each replayed op with
    its (recomputed) inputs: replay preserves derivatives of every order. It is
@@ -164,16 +173,30 @@ class _Call:
     ) -> None:
         self.region = region
         self.fn = fn
+        #: The user's own arguments: ``fn`` runs on them, not on copies (NOTE rule 2).
+        self.args, self.kwargs = args, kwargs
         tree: Any = (args, kwargs)
-        leaves: list[Any]
-        leaves, self.treedef = optree.tree_flatten(tree, none_is_leaf=False)
-        self.leaves = leaves
-        self.tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=False)
+        self.tensor_count = sum(isinstance(x, torch.Tensor) for x in leaves)
         self.bindings: Bindings = find_closed_over(fn)
-        self.inputs: tuple[torch.Tensor, ...] = (
-            *(leaves[i] for i in self.tensor_positions),
+        #: The tensors as ``fn`` reaches them: the ones each op gets substituted.
+        self.originals: tuple[torch.Tensor, ...] = (
+            *(x for x in leaves if isinstance(x, torch.Tensor)),
             *self.bindings.tensors,
         )
+        self.original_ids = {id(t) for t in self.originals}
+        #: What the Function is given: inside another region's run (a nested region)
+        #: the tensors ``fn`` reaches are the outer substitution's views of them.
+        self.inputs: tuple[torch.Tensor, ...] = _outer_views(self.originals)
+        #: Per op of the first run (the forward): which leaves were which input.
+        self.trace: list[tuple[Any, tuple[tuple[int, int], ...]]] | None = None
+        #: Positions of the arguments (and keyword names) that are tensors themselves.
+        self.tensor_args = [
+            (i, x) for i, x in enumerate(args) if isinstance(x, torch.Tensor)
+        ]
+        self.tensor_kwargs = [
+            (k, x) for k, x in kwargs.items() if isinstance(x, torch.Tensor)
+        ]
         #: Inputs the backward will differentiate (NOTE rule 7).
         self.differentiated = [i for i, t in enumerate(self.inputs) if _tracked(t)]
         self.out_treedef: Any = None
@@ -194,14 +217,24 @@ class _Call:
 
     def run(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Call ``fn`` with ``tensors`` in place of the inputs; return its tensor outputs."""
-        count = len(self.tensor_positions)
-        leaves = list(self.leaves)
-        for position, tensor in zip(self.tensor_positions, tensors[:count], strict=True):
-            leaves[position] = tensor
-        args, kwargs = optree.tree_unflatten(self.treedef, leaves)
-        with self.bindings.swapped(tensors[count:]):
-            out = self.fn(*args, **kwargs)
+        table = {
+            id(o): t for o, t in zip(self.originals, tensors, strict=True) if o is not t
+        }
+        first = self.trace is None
+        if not first:  # a recompute: what the forward saw, though slots were rebound since
+            self.bindings.check_versions(self.region.label)
+            table.update(self.bindings.remap(tensors[self.tensor_count :]))
+        substitution = _Substitution(self, table, tensors)
+        with substitution:
+            out = self.fn(*self.args_with(table), **self.kwargs_with(table))
+        if first:
+            self.trace = substitution.trace
+            self.bindings.note_versions()
         out_leaves, out_treedef = optree.tree_flatten(out, none_is_leaf=False)
+        # ``fn`` may return a tensor it reached (``return self.w``): the Function's view.
+        out_leaves = [
+            table.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in out_leaves
+        ]
         positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
         if self.out_treedef is None:
             # Keep the structure and dtypes only: an output of the recorded forward
@@ -255,6 +288,25 @@ class _Call:
         floats, others = result[0], result[2]
         it_f, it_o = iter(floats), iter(others)
         return tuple(next(it_f) if k else next(it_o) for k in kinds)
+
+    def args_with(self, table: dict[int, torch.Tensor]) -> tuple[Any, ...]:
+        """The user's arguments, a tensor argument itself replaced by its view.
+
+        A tensor passed as an argument may go straight into a transform ``fn``
+        runs itself (``torch.func.grad(g)(x)``), which no op substitution sees.
+        Containers stay the user's own, so what ``fn`` does to them stays done.
+        """
+        if not self.tensor_args:
+            return self.args
+        args = list(self.args)
+        for i, x in self.tensor_args:
+            args[i] = table.get(id(x), x)
+        return tuple(args)
+
+    def kwargs_with(self, table: dict[int, torch.Tensor]) -> dict[str, Any]:
+        if not self.tensor_kwargs:
+            return self.kwargs
+        return {**self.kwargs, **{k: table.get(id(x), x) for k, x in self.tensor_kwargs}}
 
     def partial(
         self, inputs: Sequence[torch.Tensor], moving: Sequence[int], outputs: Sequence[int]
@@ -531,6 +583,99 @@ def _forward_ad_levels() -> int:
 
 
 # ---------------------------------------------------------------------------
+# Substitution: each op gets the Function's view of what ``fn`` reached (rule 2)
+# ---------------------------------------------------------------------------
+
+
+def _outer_views(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``tensors`` as the innermost running substitution maps them (a nested region)."""
+    if not local.substitutions:
+        return tensors
+    table = local.substitutions[-1].table
+    return tuple(table.get(id(t), t) for t in tensors)
+
+
+class _Substitution(TorchFunctionMode):
+    """Give each op the Function's view of each tensor ``fn`` reached (NOTE rule 2).
+
+    ``table`` maps the ``id`` of a tensor as ``fn`` reaches it (a leaf of an
+    argument, a closed-over tensor, what a rebound slot holds now) to what the
+    op must get: the Function's input (unwrapped, or the inner ``vjp``'s
+    wrapper) or a snapshot. A mode is per thread, and no slot is written:
+    another thread reading the same tensors sees its own. The first run of a
+    call (the forward) writes ``trace``: per op, which leaves were which input.
+    A later run (a recompute) also gives a leaf the table does not know the
+    input the forward had there, while its ops are the forward's (a list
+    appended to since the forward, read as ``store[-1]``).
+    """
+
+    def __init__(
+        self, call: _Call, table: dict[int, torch.Tensor], tensors: Sequence[torch.Tensor]
+    ) -> None:
+        super().__init__()
+        self.table = table
+        self.tensors = tensors
+        self.replayed = call.trace
+        self.trace: list[tuple[Any, tuple[tuple[int, int], ...]]] = []
+        self.index = {id(o): i for i, o in enumerate(call.originals)} if call.trace is None else {}
+        self.step = 0
+
+    def __enter__(self) -> _Substitution:
+        super().__enter__()  # type: ignore[no-untyped-call]
+        local.substitutions.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        local.substitutions.pop()
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        tree: Any = (args, kwargs or {})
+        leaves, treedef = optree.tree_flatten(tree, none_is_leaf=False)
+        expected = self._expected(func)
+        uses: list[tuple[int, int]] = []
+        changed = False
+        for j, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            new = self.table.get(id(leaf))
+            if new is None and expected:
+                i = expected.get(j)
+                new = None if i is None or leaf is self.tensors[i] else self.tensors[i]
+            if new is not None:
+                if self.replayed is None and id(leaf) in self.index:
+                    uses.append((j, self.index[id(leaf)]))
+                leaves[j] = new
+                changed = True
+        if self.replayed is None:
+            self.trace.append((func, tuple(uses)))
+        if changed:
+            new_args, new_kwargs = optree.tree_unflatten(treedef, leaves)
+            return func(*new_args, **new_kwargs)
+        return func(*args, **(kwargs or {}))
+
+    def _expected(self, func: Any) -> dict[int, int] | None:
+        """In a recompute: which leaves of this op were which input in the forward."""
+        if self.replayed is None:
+            return None
+        step, self.step = self.step, self.step + 1
+        if step >= len(self.replayed):
+            self.replayed = []
+            return None
+        then, uses = self.replayed[step]
+        if then is not func and then != func:
+            self.replayed = []  # the ops differ from here on: by identity only
+            return None
+        return dict(uses) if uses else None
+
+
+# ---------------------------------------------------------------------------
 # Guard against tensors the Function was not given (NOTE rule 2)
 # ---------------------------------------------------------------------------
 
@@ -581,6 +726,7 @@ class _HiddenInputGuard(TorchFunctionMode):
         return out
 
     def check(self, t: torch.Tensor, func: Any) -> None:
+        self._check_substituted(t, func)
         if _functorch.is_functorch_wrapped_tensor(t):
             level = _functorch.maybe_get_level(t)
             if level in self.call.outer_levels:
@@ -603,6 +749,38 @@ class _HiddenInputGuard(TorchFunctionMode):
             "(or keep it in a closure variable, a default argument, a module parameter, "
             "an attribute of an object the function reaches, or a global, where remat "
             "finds it)."
+        )
+
+    def _check_substituted(self, t: torch.Tensor, func: Any) -> None:
+        """Raise if a tensor ``fn`` reached got to an op as itself, not as the Function's view.
+
+        The substitution sees the tensors in an op's pytree arguments; one
+        reached some other way (a transform ``fn`` runs on a closed-over tensor,
+        ``torch.func.grad(g)(self.w)``, wraps it where no op sees it) would be
+        differentiated outside the region.
+        """
+        inner = t
+        while True:
+            if id(inner) in self.known:  # an input itself (the forward got it unwrapped)
+                return
+            if id(inner) in self.call.original_ids:
+                break
+            if not _functorch.is_functorch_wrapped_tensor(inner):
+                return
+            inner = _functorch.get_unwrapped(inner)
+        index = next(i for i, o in enumerate(self.call.originals) if o is inner)
+        count = self.call.tensor_count
+        where = (
+            f"argument tensor #{index}" if index < count
+            else self.call.bindings.names[index - count]
+        )
+        name = getattr(func, "__name__", str(func))
+        raise RematError(
+            f"remat: {self.call.region.label} hands {where} to {name} in a way remat "
+            "cannot substitute (inside a container it does not flatten, or straight into "
+            "a torch.func transform run inside the region), so under torch.func it would "
+            "be differentiated outside the region. Pass that tensor itself as an argument "
+            "of the rematerialized function."
         )
 
     def _wraps_known(self, t: torch.Tensor) -> bool:
