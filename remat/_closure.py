@@ -142,6 +142,15 @@ class Bindings:
                         table[id(now)] = then if index is None else replacements[index]
         return table
 
+    def reached(self) -> dict[int, str]:
+        """Every tensor found (tracked or not) by ``id``, with where it was found."""
+        found: dict[int, str] = {}
+        for slot, _ in self._slots:
+            for leaf in slot.leaves:
+                if isinstance(leaf, torch.Tensor):
+                    found.setdefault(id(leaf), f"{slot.where} ({_describe(leaf)})")
+        return found
+
     def note_versions(self) -> None:
         """After the forward: remember each single-tensor slot's version and storage."""
         with torch._C.DisableTorchFunction():  # our reads are not the function's
@@ -330,7 +339,8 @@ class _Walker:
             for i, leaf in enumerate(leaves)
             if isinstance(leaf, torch.Tensor) and is_tracked(leaf)
         )
-        if positions:
+        # Untracked tensor leaves are snapshotted too (rule 4) and seen by `reached`.
+        if positions or any(isinstance(leaf, torch.Tensor) for leaf in leaves):
             self.bindings.add(_Slot(get, set_, where, positions, leaves, treedef), leaves)
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor):

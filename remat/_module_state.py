@@ -276,7 +276,9 @@ class StateGuard:
             fix = (
                 "If the module updates this buffer in forward (running statistics, a power "
                 "iteration, a counter), declare it stateful: "
-                "remat.register_stateful(type(module)) or module.remat_stateful = True."
+                "remat.register_stateful(type(module)) or module.remat_stateful = True. "
+                "If your code modified it between forward and backward, modify it after "
+                "backward instead."
             )
         raise SavedInputMutatedError(
             f"remat: {kind} '{pin.name}' of {pin.where} (shape {tuple(t.shape)}) was "
