@@ -225,8 +225,13 @@ class _Call:
             self.bindings.check_versions(self.region.label)
             table.update(self.bindings.remap(tensors[self.tensor_count :]))
         substitution = _Substitution(self, table, tensors)
-        with substitution:
-            out = self.fn(*self.args_with(table), **self.kwargs_with(table))
+        try:
+            with substitution:
+                out = self.fn(*self.args_with(table), **self.kwargs_with(table))
+        except RuntimeError as e:
+            if "wrapped->level() < level" not in str(e):
+                raise
+            raise self.unsubstituted_error() from e
         if first:
             self.trace = substitution.trace
             self.bindings.note_versions()
@@ -288,6 +293,21 @@ class _Call:
         floats, others = result[0], result[2]
         it_f, it_o = iter(floats), iter(others)
         return tuple(next(it_f) if k else next(it_o) for k in kinds)
+
+    def unsubstituted_error(self) -> RematError:
+        """A transform inside ``fn`` wrapped a closed-over tensor itself (functorch's assert).
+
+        Inside the forward the outer levels are lowered, so a transform ``fn``
+        runs gets the number of one of them; wrapping a tensor of that outer
+        level there fails inside functorch before any op sees it.
+        """
+        found = ", ".join(self.bindings.names) or "a tensor it closes over"
+        return RematError(
+            f"remat: {self.region.label} hands a tensor it reached without receiving it "
+            f"straight to a torch.func transform run inside the region (one of: {found}); "
+            "remat substitutes such tensors op by op, and a transform's own wrapping is no "
+            "op. Pass that tensor itself as an argument of the rematerialized function."
+        )
 
     def args_with(self, table: dict[int, torch.Tensor]) -> tuple[Any, ...]:
         """The user's arguments, a tensor argument itself replaced by its view.

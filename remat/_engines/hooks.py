@@ -242,12 +242,19 @@ class Frame:
         return decision
 
     def closed_over(self, t: torch.Tensor) -> str | None:
-        """Where the region found ``t`` (or the tensor ``t`` views) without receiving it."""
+        """Where the region found ``t`` (or the tensor ``t`` views) without receiving it.
+
+        Parameters and their views are left to `note_leaf` and the state guard,
+        which also see a ``.data`` assignment.
+        """
+        base = t._base
+        if base is not None and base.is_leaf and base.requires_grad:
+            return None
         if self.outside is None:  # walked once, at the first tensor saved
             self.outside = find_closed_over(self.region.fn).reached()
         where = self.outside.get(id(t))
-        if where is None and t._base is not None:
-            where = self.outside.get(id(t._base))
+        if where is None and base is not None:
+            where = self.outside.get(id(base))
         return where
 
     def finish_forward(self, out: Any = None) -> None:
