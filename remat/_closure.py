@@ -98,10 +98,16 @@ class Bindings:
     """The closed-over tracked tensors of one function and the slots that hold them."""
 
     tensors: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    #: Human-readable location of each tensor ("closure variable 'w' of f").
-    names: list[str] = dataclasses.field(default_factory=list)
+    #: Where each tensor was found ("closure variable 'w' of f").
+    _where: list[str] = dataclasses.field(default_factory=list)
     _slots: list[tuple[_Slot, list[int]]] = dataclasses.field(default_factory=list)
     _index: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        """Human-readable location of each tensor, with its shape and dtype."""
+        # Built on demand (error messages): formatting shapes costs more than the walk.
+        return [f"{w} ({_describe(t)})" for w, t in zip(self._where, self.tensors, strict=True)]
 
     def add(self, slot: _Slot, leaves: Sequence[torch.Tensor]) -> None:
         indices = []
@@ -110,7 +116,7 @@ class Bindings:
             if id(tensor) not in self._index:  # tied weights: one input, several slots
                 self._index[id(tensor)] = len(self.tensors)
                 self.tensors.append(tensor)
-                self.names.append(f"{slot.where} ({_describe(tensor)})")
+                self._where.append(slot.where)
             indices.append(self._index[id(tensor)])
         self._slots.append((slot, indices))
 
@@ -148,7 +154,7 @@ class Bindings:
         for slot, _ in self._slots:
             for leaf in slot.leaves:
                 if isinstance(leaf, torch.Tensor):
-                    found.setdefault(id(leaf), f"{slot.where} ({_describe(leaf)})")
+                    found.setdefault(id(leaf), slot.where)
         return found
 
     def note_versions(self) -> None:

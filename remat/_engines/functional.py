@@ -22,12 +22,12 @@ NOTE [ The functional engine ]
    every other tensor ``fn`` reached, by identity, in the forward and in every
    recompute. A recompute also maps slots rebound since the forward
    (`Bindings.remap`) and, for a container whose structure changed, follows the
-   forward's trace of which op read which input. A guard (a second mode around
-   the forward) raises `RematError` for any tensor ``fn`` uses that the
-   Function was not given: a functorch wrapper of a level that is not live
-   inside the forward, a tensor that requires grad, or a tensor ``fn`` reached
-   that got to an op unsubstituted. Without it such a tensor would silently
-   get a zero gradient.
+   forward's trace of which op read which input. In the forward, a guard
+   (`_HiddenInputGuard`, which `_Substitution` consults at each op) raises
+   `RematError` for any tensor ``fn`` uses that the Function was not given:
+   a functorch wrapper of a level that is not live inside the forward, a
+   tensor that requires grad, or a tensor ``fn`` reached that got to an op
+   unsubstituted. Without it such a tensor would silently get a zero gradient.
 3. Replay. The record and replay modes sit below autograd and below every
    functorch layer, so every level above still records each replayed op with
    its (recomputed) inputs: replay preserves derivatives of every order. It is
@@ -352,14 +352,19 @@ class _Call:
         """The region's forward: record what the policy keeps, guard against hidden inputs."""
         if self.region.preserve_rng_state:
             self.rng = RngState.capture(tensors)
-        with _HiddenInputGuard(self, tensors) as self.guard, _Births(self.guard):
-            if not self.region.policy.needs_op_trace and not self.region.policy.keeps_last_region:
-                out = self.run(tensors)
-            else:
-                self.log = _new_log(self.region)
-                with RecordMode(self.log):
-                    out = self.run_as_differentiated(tensors)
-        self.guard = None
+        # The guard checks each op as `_Substitution` hands it over (one mode, not two).
+        self.guard = _HiddenInputGuard(self, tensors)
+        try:
+            policy = self.region.policy
+            with _Births(self.guard):
+                if not policy.needs_op_trace and not policy.keeps_last_region:
+                    out = self.run(tensors)
+                else:
+                    self.log = _new_log(self.region)
+                    with RecordMode(self.log):
+                        out = self.run_as_differentiated(tensors)
+        finally:
+            self.guard = None
         self.rng_after = self.rng.now() if self.rng is not None else None
         if self.log is not None:
             self.offload_kept(tensors, out)
@@ -615,6 +620,14 @@ def _outer_views(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     return tuple(table.get(id(t), t) for t in tensors)
 
 
+def _flat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+    """An op's arguments as one list when none is a container (most ops), else None."""
+    flat = [*args, *kwargs.values()]
+    if any(isinstance(x, (list, tuple, dict)) for x in flat):
+        return None
+    return flat
+
+
 class _Substitution(TorchFunctionMode):
     """Give each op the Function's view of each tensor ``fn`` reached (NOTE rule 2).
 
@@ -639,6 +652,8 @@ class _Substitution(TorchFunctionMode):
         self.trace: list[tuple[Any, tuple[tuple[int, int], ...]]] = []
         self.index = {id(o): i for i, o in enumerate(call.originals)} if call.trace is None else {}
         self.step = 0
+        #: The forward's guard (NOTE rule 2), checking each op after substitution.
+        self.guard = call.guard
 
     def __enter__(self) -> _Substitution:
         super().__enter__()  # type: ignore[no-untyped-call]
@@ -656,8 +671,10 @@ class _Substitution(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        tree: Any = (args, kwargs or {})
-        leaves, treedef = optree.tree_flatten(tree, none_is_leaf=False)
+        kwargs = kwargs or {}
+        flat = _flat(args, kwargs)
+        tree: Any = (args, kwargs)
+        leaves, treedef = (flat, None) if flat is not None else optree.tree_flatten(tree)
         expected = self._expected(func)
         uses: list[tuple[int, int]] = []
         changed = False
@@ -675,10 +692,19 @@ class _Substitution(TorchFunctionMode):
                 changed = True
         if self.replayed is None:
             self.trace.append((func, tuple(uses)))
-        if changed:
+        if self.guard is not None:
+            self.guard.inspect(func, leaves)
+        if not changed:
+            out = func(*args, **kwargs)
+        elif treedef is None:  # flat: positional arguments, then keyword values in order
+            values = leaves[len(args) :]
+            out = func(*leaves[: len(args)], **dict(zip(kwargs, values, strict=True)))
+        else:
             new_args, new_kwargs = optree.tree_unflatten(treedef, leaves)
-            return func(*new_args, **new_kwargs)
-        return func(*args, **(kwargs or {}))
+            out = func(*new_args, **new_kwargs)
+        if self.guard is not None:
+            self.guard.know(optree.tree_leaves(out, none_is_leaf=False))
+        return out
 
     def _expected(self, func: Any) -> dict[int, int] | None:
         """In a recompute: which leaves of this op were which input in the forward."""
@@ -700,7 +726,7 @@ class _Substitution(TorchFunctionMode):
 # ---------------------------------------------------------------------------
 
 
-class _HiddenInputGuard(TorchFunctionMode):
+class _HiddenInputGuard:
     """Raise `RematError` when ``fn`` uses a tracked tensor that is not an input.
 
     Levels are numbered by depth, so inside the forward (run with the outer
@@ -714,36 +740,20 @@ class _HiddenInputGuard(TorchFunctionMode):
     """
 
     def __init__(self, call: _Call, inputs: Sequence[torch.Tensor]) -> None:
-        super().__init__()
         self.call = call
         self.known = {id(t) for t in inputs}
         #: Ids of tensors aten ops made inside the forward (filled by `_Births`).
         self.born: set[int] = set()
         self.live = {i.level() for i in retrieve_all_functorch_interpreters()}
 
-    def __enter__(self) -> _HiddenInputGuard:
-        super().__enter__()  # type: ignore[no-untyped-call]
-        return self
-
     def know(self, tensors: Sequence[Any]) -> None:
         self.known.update(id(t) for t in tensors if isinstance(t, torch.Tensor))
 
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        tree: Any = (args, kwargs)
-        leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=False)
+    def inspect(self, func: Any, leaves: Sequence[Any]) -> None:
+        """Check the tensors an op gets (after substitution) before it runs."""
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and id(leaf) not in self.known:
                 self.check(leaf, func)
-        out = func(*args, **kwargs)
-        self.know(optree.tree_leaves(out, none_is_leaf=False))
-        return out
 
     def check(self, t: torch.Tensor, func: Any) -> None:
         self._check_substituted(t, func)

@@ -244,9 +244,14 @@ class Frame:
     def closed_over(self, t: torch.Tensor) -> str | None:
         """Where the region found ``t`` (or the tensor ``t`` views) without receiving it.
 
-        Parameters and their views are left to `note_leaf` and the state guard,
-        which also see a ``.data`` assignment.
+        Only a tensor no op of the region's graph made (no ``grad_fn``) is
+        looked up: what autograd saves with a ``grad_fn`` was made in the region
+        (the usual case, and the walk costs a call's worth of Python). Parameters
+        and their views are left to `note_leaf` and the state guard, which also
+        see a ``.data`` assignment.
         """
+        if t.grad_fn is not None:
+            return None
         base = t._base
         if base is not None and base.is_leaf and base.requires_grad:
             return None
