@@ -80,17 +80,10 @@ class _Slot:
     #: the recompute sees.
     leaves: list[Any]
     treedef: Any
-    #: For a slot holding one tensor: its version and storage after the forward.
-    version: tuple[int, int | None] | None = None
+    #: Position, version and storage after the forward of each tensor leaf an op read.
+    versions: list[tuple[int, int, int | None]] = dataclasses.field(default_factory=list)
     #: Whether an in-place change of that tensor before the recompute raises.
     checked: bool = True
-
-    def tensor(self) -> torch.Tensor | None:
-        """The slot's tensor as the call saw it, when the slot holds one tensor."""
-        if len(self.leaves) != 1:
-            return None
-        leaf = self.leaves[0]
-        return leaf if isinstance(leaf, torch.Tensor) else None
 
 
 @dataclasses.dataclass
@@ -157,25 +150,33 @@ class Bindings:
                     found.setdefault(id(leaf), slot.where)
         return found
 
-    def note_versions(self) -> None:
-        """After the forward: remember each single-tensor slot's version and storage."""
+    def note_versions(self, used: set[int]) -> None:
+        """After the forward: remember the version and storage of each tensor an op read.
+
+        ``used``: ids of the tensors the forward's ops got. One that none read
+        (another entry of a closed-over dict) may change freely, as in autograd.
+        """
         with torch._C.DisableTorchFunction():  # our reads are not the function's
             for slot, _ in self._slots:
-                t = slot.tensor()
-                if t is not None and slot.checked:
-                    slot.version = (t._version, storage_of(t))
+                if slot.checked:
+                    slot.versions = [
+                        (i, t._version, storage_of(t))
+                        for i, t in enumerate(slot.leaves)
+                        if isinstance(t, torch.Tensor) and id(t) in used
+                    ]
 
     def check_versions(self, label: str) -> None:
         """Before a recompute: raise if a closed-over tensor changed in place since."""
         for slot, _ in self._slots:
-            t = slot.tensor()
-            if t is None or slot.version is None:
-                continue
-            with torch._C.DisableTorchFunction():
-                now = (t._version, storage_of(t))
-            if now != slot.version:
+            for i, version, storage in slot.versions:
+                t = slot.leaves[i]
+                with torch._C.DisableTorchFunction():
+                    now = (t._version, storage_of(t))
+                if now == (version, storage):
+                    continue
+                where = slot.where if len(slot.leaves) == 1 else f"element #{i} of {slot.where}"
                 raise SavedInputMutatedError(
-                    f"remat: {slot.where} (shape {tuple(t.shape)}) was modified in place "
+                    f"remat: {where} (shape {tuple(t.shape)}) was modified in place "
                     f"or reassigned ('.data = ...') after the forward pass of {label} read "
                     "it, so the recompute would use the new values (plain autograd raises "
                     "here too). Modify it after the backward, or modify a clone of it."

@@ -54,11 +54,19 @@ def _place(kind: str, scale: torch.Tensor) -> tuple[Callable[..., torch.Tensor],
         return _uses_global, "SCALE"
     if kind == "closure":
         return (lambda x, w: _math(x, w, scale)), "scale"
+    if kind == "list":
+        # The other entry changes freely: no op reads it (as in plain autograd).
+        consts = {"scales": [scale, torch.ones(4, dtype=D)]}
+        CONSTS[:] = [consts]
+        return (lambda x, w: _math(x, w, consts["scales"][0])), "consts"
     if kind == "attribute":
         holder = _Holder(scale)
         return (lambda x, w: _math(x, w, holder.scale)), "scale"
     assert kind == "buffer"
     return Scaled(scale), "scale"
+
+
+CONSTS: list[dict[str, list[torch.Tensor]]] = []
 
 
 def _forward_then_backward(
@@ -77,7 +85,7 @@ def _forward_then_backward(
     return tuple(vjp_fn(torch.ones_like(out)))
 
 
-@pytest.mark.parametrize("kind", ["global", "closure", "attribute", "buffer"])
+@pytest.mark.parametrize("kind", ["global", "closure", "list", "attribute", "buffer"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_modified_before_backward_raises(engine: Any, policy: str, kind: str) -> None:
     scale = torch.linspace(0.5, 1.5, 4, dtype=D)
@@ -88,6 +96,8 @@ def test_modified_before_backward_raises(engine: Any, policy: str, kind: str) ->
     def modify() -> None:
         with torch.no_grad():
             target.mul_(10)
+            if kind == "list":
+                CONSTS[0]["scales"][1].add_(1)  # unread: alone it would raise nothing
 
     with pytest.raises(SavedInputMutatedError) as caught:
         _forward_then_backward(engine, region, modify)
@@ -118,3 +128,21 @@ def test_plain_autograd_raises_too(policy: str) -> None:
         scale.mul_(10)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_an_entry_no_op_reads_changes_freely(engine: Any, policy: str) -> None:
+    # Plain autograd checks only what it saved: another entry of a closed-over dict
+    # (optimizer state, a cache) may change between forward and backward.
+    scale = torch.linspace(0.5, 1.5, 4, dtype=D)
+    plain, _ = _place("list", scale)
+    unread = CONSTS[0]["scales"][1]
+
+    def modify() -> None:
+        with torch.no_grad():
+            unread.add_(1)
+
+    expected = _forward_then_backward(engine, plain, lambda: None)
+    got = _forward_then_backward(engine, engine.remat(plain, policy=policy), modify)
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(unread, torch.full((4,), 2.0, dtype=D))

@@ -185,6 +185,8 @@ class _Call:
             *self.bindings.tensors,
         )
         self.original_ids = {id(t) for t in self.originals}
+        #: Every tensor found in the closure, tracked or not (for the version check).
+        self.reached = self.bindings.reached()
         #: What the Function is given: inside another region's run (a nested region)
         #: the tensors ``fn`` reaches are the outer substitution's views of them.
         self.inputs: tuple[torch.Tensor, ...] = _outer_views(self.originals)
@@ -234,7 +236,7 @@ class _Call:
             raise self.unsubstituted_error() from e
         if first:
             self.trace = substitution.trace
-            self.bindings.note_versions()
+            self.bindings.note_versions(substitution.used)
         out_leaves, out_treedef = optree.tree_flatten(out, none_is_leaf=False)
         # ``fn`` may return a tensor it reached (``return self.w``): the Function's view.
         out_leaves = [
@@ -654,6 +656,9 @@ class _Substitution(TorchFunctionMode):
         self.step = 0
         #: The forward's guard (NOTE rule 2), checking each op after substitution.
         self.guard = call.guard
+        #: Forward: ids of the tensors ``fn`` reached that some op got (version-checked).
+        self.used: set[int] = set()
+        self.watched = call.reached if call.trace is None else {}
 
     def __enter__(self) -> _Substitution:
         super().__enter__()  # type: ignore[no-untyped-call]
@@ -681,6 +686,8 @@ class _Substitution(TorchFunctionMode):
         for j, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor):
                 continue
+            if id(leaf) in self.watched:
+                self.used.add(id(leaf))
             new = self.table.get(id(leaf))
             if new is None and expected:
                 i = expected.get(j)
