@@ -10,8 +10,11 @@ NOTE [ Closed-over tensors ]
 2. Each found tensor lives in a *slot* that can be read and written: a closure
    cell, a module's ``_parameters``/``_buffers`` entry, an object attribute, a
    global, or a leaf of a list/tuple/dict held in one of those. The engine passes
-   the tensors as explicit inputs and, while ``fn`` runs, writes the Function's
-   view of each one back into its slot (`Bindings.swapped`).
+   the tensors as explicit inputs. Nothing is written to a slot: ``fn`` runs on
+   the user's own objects, and the engine's per-thread `TorchFunctionMode`
+   substitutes, at each op, the Function's view for each found tensor (by
+   identity). Another thread reading the same global or parameter never sees
+   the engine's views, and what ``fn`` does to a container stays done.
 3. What we walk: ``functools.partial`` (its function), bound methods (``__self__``
    and ``__func__``), functions (closure cells, default arguments, and the
    globals their code, and code nested in it, names), ``nn.Module``s (every
@@ -23,27 +26,31 @@ NOTE [ Closed-over tensors ]
    is not found; the engine's guard then raises `RematError` instead of returning
    a wrong gradient.
 4. Snapshot. Each slot remembers its value at the call (the leaves and structure
-   of a container, untracked leaves included); while ``fn`` is recomputed the
-   slot holds that snapshot with the Function's inputs swapped in, so a list
+   of a container, untracked leaves included); while ``fn`` is recomputed its
+   ops see that snapshot with the Function's inputs substituted, so a list
    appended to or a variable rebound between forward and backward does not
    change what the recompute computes. Slots holding one untracked tensor (a
-   frozen parameter, a plain closed-over constant) are snapshotted too, with
-   nothing swapped in: ``torch.func.functional_call`` puts a module's own
-   tensors back before the backward runs, and the recompute must still see the
-   ones the forward saw.
+   frozen parameter, a plain closed-over constant) are snapshotted too:
+   ``torch.func.functional_call`` puts a module's own tensors back before the
+   backward runs, and the recompute must still see the ones the forward saw.
+   Nothing is written to the slot: a slot that keeps its structure maps the
+   tensor now in it to what the forward saw there (`Bindings.remap`); a
+   container whose structure changed is covered by the engine's trace of
+   which op read which input (NOTE [ The functional engine ] rule 2). What a
+   recompute stores in a slot (``self.last = h``) stays, as under the eager
+   engine: guard such effects with `remat.is_recomputing`.
 5. Arguments. A region's arguments are flattened as pytrees (NOTE [ Containers
    remat sees into ] in ``_pytree.py``); an argument leaf that is still an object
    (a config object, a module passed in) is walked like an object ``fn`` reaches,
-   so its tensors become inputs and are swapped into its attributes.
+   so its tensors become inputs, substituted op by op like the others.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
@@ -51,7 +58,6 @@ import torch
 
 from ._errors import SavedInputMutatedError
 from ._module_state import is_stateful, storage_of
-from ._state import is_recomputing, local
 
 __all__ = ["Bindings", "find_closed_over", "is_tracked"]
 
@@ -78,17 +84,10 @@ class _Slot:
     #: the recompute sees.
     leaves: list[Any]
     treedef: Any
-    #: For a slot holding one tensor: its version and storage after the forward.
-    version: tuple[int, int | None] | None = None
+    #: Position, version and storage after the forward of each tensor leaf an op read.
+    versions: list[tuple[int, int, int | None]] = dataclasses.field(default_factory=list)
     #: Whether an in-place change of that tensor before the recompute raises.
     checked: bool = True
-
-    def tensor(self) -> torch.Tensor | None:
-        """The slot's tensor as the call saw it, when the slot holds one tensor."""
-        if len(self.leaves) != 1:
-            return None
-        leaf = self.leaves[0]
-        return leaf if isinstance(leaf, torch.Tensor) else None
 
 
 @dataclasses.dataclass
@@ -96,10 +95,16 @@ class Bindings:
     """The closed-over tracked tensors of one function and the slots that hold them."""
 
     tensors: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    #: Human-readable location of each tensor ("closure variable 'w' of f").
-    names: list[str] = dataclasses.field(default_factory=list)
+    #: Where each tensor was found ("closure variable 'w' of f").
+    _where: list[str] = dataclasses.field(default_factory=list)
     _slots: list[tuple[_Slot, list[int]]] = dataclasses.field(default_factory=list)
     _index: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        """Human-readable location of each tensor, with its shape and dtype."""
+        # Built on demand (error messages): formatting shapes costs more than the walk.
+        return [f"{w} ({_describe(t)})" for w, t in zip(self._where, self.tensors, strict=True)]
 
     def add(self, slot: _Slot, leaves: Sequence[torch.Tensor]) -> None:
         indices = []
@@ -108,61 +113,77 @@ class Bindings:
             if id(tensor) not in self._index:  # tied weights: one input, several slots
                 self._index[id(tensor)] = len(self.tensors)
                 self.tensors.append(tensor)
-                self.names.append(f"{slot.where} ({_describe(tensor)})")
+                self._where.append(slot.where)
             indices.append(self._index[id(tensor)])
         self._slots.append((slot, indices))
 
-    @contextlib.contextmanager
-    def swapped(self, replacements: Sequence[torch.Tensor]) -> Iterator[None]:
-        """Put ``replacements[i]`` where ``tensors[i]`` was while the block runs."""
-        saved = []
-        recomputing = is_recomputing()
-        if recomputing:
-            self._check_versions()
-        local.slot_swaps += 1
-        try:
+    def remap(self, replacements: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """What a recompute substitutes for slots rebound since the call (rule 4).
+
+        For each slot whose value now differs from its snapshot but keeps its
+        structure (a variable rebound, ``functional_call`` having put a module's
+        own tensors back), the tensor now in the slot maps to what the forward
+        saw there: the Function's input (``replacements[i]`` for ``tensors[i]``)
+        or the snapshot tensor itself. Nothing is written to the slot.
+        """
+        table: dict[int, torch.Tensor] = {}
+        with torch._C.DisableTorchFunction():  # our reads are not the function's
             for slot, indices in self._slots:
-                leaves = list(slot.leaves)
-                for position, index in zip(slot.positions, indices, strict=True):
-                    leaves[position] = replacements[index]
-                installed = optree.tree_unflatten(slot.treedef, leaves)
-                saved.append((slot, slot.get(), installed))
-                slot.set(installed)
-            yield
-            if not recomputing:
-                self._note_versions()
-        finally:
-            local.slot_swaps -= 1
-            keep_rebound = not recomputing
-            for slot, old, installed in reversed(saved):
-                # A forward that stores a new plain value in the slot (``self.last =
-                # h.detach()``) keeps it; what a recompute stores is undone.
-                if keep_rebound and not slot.positions and slot.get() is not installed:
+                try:
+                    current = slot.get()
+                except (KeyError, AttributeError, ValueError):  # deleted since
                     continue
-                slot.set(old)
+                if len(slot.leaves) == 1 and current is slot.leaves[0]:
+                    continue
+                leaves, treedef = optree.tree_flatten(current, none_is_leaf=True)
+                if treedef != slot.treedef:
+                    continue  # its structure changed: the engine's op trace maps it
+                given = dict(zip(slot.positions, indices, strict=True))
+                for position, (now, then) in enumerate(zip(leaves, slot.leaves, strict=True)):
+                    if isinstance(now, torch.Tensor) and now is not then:
+                        index = given.get(position)
+                        table[id(now)] = then if index is None else replacements[index]
+        return table
 
+    def reached(self) -> dict[int, str]:
+        """Every tensor found (tracked or not) by ``id``, with where it was found."""
+        found: dict[int, str] = {}
+        for slot, _ in self._slots:
+            for leaf in slot.leaves:
+                if isinstance(leaf, torch.Tensor):
+                    found.setdefault(id(leaf), slot.where)
+        return found
 
-    def _note_versions(self) -> None:
+    def note_versions(self, used: set[int]) -> None:
+        """After the forward: remember the version and storage of each tensor an op read.
+
+        ``used``: ids of the tensors the forward's ops got. One that none read
+        (another entry of a closed-over dict) may change freely, as in autograd.
+        """
         with torch._C.DisableTorchFunction():  # our reads are not the function's
             for slot, _ in self._slots:
-                t = slot.tensor()
-                if t is not None and slot.checked:
-                    slot.version = (t._version, storage_of(t))
+                if slot.checked:
+                    slot.versions = [
+                        (i, t._version, storage_of(t))
+                        for i, t in enumerate(slot.leaves)
+                        if isinstance(t, torch.Tensor) and id(t) in used
+                    ]
 
-    def _check_versions(self) -> None:
-        """Raise if a closed-over tensor was modified in place since the forward."""
+    def check_versions(self, label: str) -> None:
+        """Before a recompute: raise if a closed-over tensor changed in place since."""
         for slot, _ in self._slots:
-            t = slot.tensor()
-            if t is None or slot.version is None:
-                continue
-            with torch._C.DisableTorchFunction():
-                now = (t._version, storage_of(t))
-            if now != slot.version:
+            for i, version, storage in slot.versions:
+                t = slot.leaves[i]
+                with torch._C.DisableTorchFunction():
+                    now = (t._version, storage_of(t))
+                if now == (version, storage):
+                    continue
+                where = slot.where if len(slot.leaves) == 1 else f"element #{i} of {slot.where}"
                 raise SavedInputMutatedError(
-                    f"remat: {slot.where} (shape {tuple(t.shape)}) was modified in place "
-                    f"or reassigned ('.data = ...') after the forward pass read it, so the "
-                    "recompute would use the new values. Modify it after the backward, or "
-                    "clone it before modifying it."
+                    f"remat: {where} (shape {tuple(t.shape)}) was modified in place "
+                    f"or reassigned ('.data = ...') after the forward pass of {label} read "
+                    "it, so the recompute would use the new values (plain autograd raises "
+                    "here too). Modify it after the backward, or modify a clone of it."
                 )
 
 
@@ -338,7 +359,8 @@ class _Walker:
             for i, leaf in enumerate(leaves)
             if isinstance(leaf, torch.Tensor) and is_tracked(leaf)
         )
-        if positions:
+        # Untracked tensor leaves are snapshotted too (rule 4) and seen by `reached`.
+        if positions or any(isinstance(leaf, torch.Tensor) for leaf in leaves):
             self.bindings.add(_Slot(get, set_, where, positions, leaves, treedef), leaves)
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor):

@@ -364,8 +364,9 @@ class StateGuard:
        forward (an optimizer step before backward, a second forward of a
        module that updates a buffer the forward did not write) raises
        `SavedInputMutatedError` instead of recomputing from the new values.
-       Inside the torch.func engine the slots are its own (``_closure.py``
-       snapshots them), so this rule stands aside.
+       Inside the torch.func engine this rule stands aside: that engine
+       snapshots the slots (``_closure.py``) and substitutes at each op
+       what the forward saw, writing nothing to them.
     2. Every buffer of a stateful module is swapped for a copy of its snapshot,
        and the real buffers are put back afterwards, also when the engine stops
        the recompute early. So the recompute computes with the numbers the
@@ -435,7 +436,7 @@ class StateGuard:
 
     def _forward(self) -> Iterator[None]:
         self.seen, self.pins = [], []
-        if local.slot_swaps:  # the torch.func engine's own snapshot is in charge of pins
+        if local.substitutions:  # the torch.func engine maps the slots itself: no pins
             self.pins = None
         self.cell_start = [(cell, cell.cell_contents) for cell in self.cells if _plain(cell)]
         self.grad_watch = [(t, _grad_state(t)) for t in self._grad_leaves]
@@ -562,7 +563,7 @@ class StateGuard:
     @contextlib.contextmanager
     def _pinned(self) -> Iterator[None]:
         assert self.pins is not None, "this is a bug in remat, please report it"
-        if local.slot_swaps:  # the torch.func engine's own snapshot is in charge
+        if local.substitutions:  # the torch.func engine maps the slots itself
             yield
             return
         moved: list[tuple[_Pin, torch.Tensor]] = []
@@ -592,7 +593,9 @@ class StateGuard:
             fix = (
                 "If the module updates this buffer in forward (running statistics, a power "
                 "iteration, a counter), declare it stateful: "
-                "remat.register_stateful(type(module)) or module.remat_stateful = True."
+                "remat.register_stateful(type(module)) or module.remat_stateful = True. "
+                "If your code modified it between forward and backward, modify it after "
+                "backward instead."
             )
         raise SavedInputMutatedError(
             f"remat: {kind} '{pin.name}' of {pin.where} (shape {tuple(t.shape)}) was "

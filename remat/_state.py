@@ -26,9 +26,10 @@ class _Local(threading.local):
         #: How many of remat's own blocks of tensor work (snapshots, copies) are running
         #: inside a user function: calls made there are not the function's (`internal`).
         self.internal_depth = 0
-        #: How many torch.func-engine calls have their closed-over slots swapped (they own
-        #: the module slots then; see `_closure.Bindings.swapped`).
-        self.slot_swaps = 0
+        #: The torch.func engine's op substitutions running on this thread, innermost
+        #: last (`functional._Substitution`). While one runs, that engine maps the
+        #: tensors ``fn`` reads (module slots included) itself, writing no slot.
+        self.substitutions: list[Any] = []
 
 
 local = _Local()

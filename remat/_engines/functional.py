@@ -14,11 +14,20 @@ NOTE [ The functional engine ]
    the policy looks at ops, keeping the outputs it decides to save. `backward`
    is called by the level being differentiated, with the inputs that level saw.
 2. Closed-over tensors (NOTE [ Closed-over tensors ] in ``_closure.py``) become
-   explicit inputs, swapped into their slots while ``fn`` runs. A guard (a
-   `TorchFunctionMode` around the forward) raises `RematError` for any tensor
-   ``fn`` uses that the Function was not given: a functorch wrapper of a level
-   that is not live inside the forward, or a tensor that requires grad. Without
-   it such a tensor would silently get a zero gradient.
+   explicit inputs. ``fn`` runs on the user's own arguments and closure (no
+   copies, no slot written: what it appends to a list stays appended, and
+   another thread reading the same global sees nothing of ours); a tensor
+   argument itself is passed as the Function's view, and `_Substitution` (a
+   `TorchFunctionMode`, so per thread) gives each op the Function's view of
+   every other tensor ``fn`` reached, by identity, in the forward and in every
+   recompute. A recompute also maps slots rebound since the forward
+   (`Bindings.remap`) and, for a container whose structure changed, follows the
+   forward's trace of which op read which input. In the forward, a guard
+   (`_HiddenInputGuard`, which `_Substitution` consults at each op) raises
+   `RematError` for any tensor ``fn`` uses that the Function was not given:
+   a functorch wrapper of a level that is not live inside the forward, a
+   tensor that requires grad, or a tensor ``fn`` reached that got to an op
+   unsubstituted. Without it such a tensor would silently get a zero gradient.
 3. Replay. The record and replay modes sit below autograd and below every
    functorch layer, so every level above still records each replayed op with
    its (recomputed) inputs: replay preserves derivatives of every order. It is
@@ -218,23 +227,40 @@ class _Call:
         #: Tensors ``fn`` lets out besides its outputs (NOTE [ Escaped tensors ]).
         self.escapes = EscapeWatch(region.label)
         self.fn = self.escapes.counted(fn)
+        #: The user's function (``self.fn`` numbers its calls), for the generator search.
+        self.user_fn = fn
+        #: The user's own arguments: ``fn`` runs on them, not on copies (NOTE rule 2).
+        self.args, self.kwargs = args, kwargs
         tree: Any = (args, kwargs)
-        leaves: list[Any]
-        leaves, self.treedef = flatten_region_io(tree)
+        leaves: list[Any] = flatten_region_io(tree)[0]
         self.leaves = leaves
-        self.tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.tensor_count = sum(isinstance(x, torch.Tensor) for x in leaves)
         if bindings is None:
             bindings = find_closed_over(fn, _argument_objects(leaves, region.label))
         self.bindings: Bindings = bindings
-        #: The user's function (``self.fn`` numbers its calls), for the generator search.
-        self.user_fn = fn
         #: Module buffers, closure cells and ``.grad`` the forward changes, changed
         #: once (NOTE [ State the forward changes ] in ``_module_state.py``).
         self.state = state_guard_of(fn, leaves, region.label)
-        self.inputs: tuple[torch.Tensor, ...] = (
-            *(leaves[i] for i in self.tensor_positions),
+        #: The tensors as ``fn`` reaches them: the ones each op gets substituted.
+        self.originals: tuple[torch.Tensor, ...] = (
+            *(x for x in leaves if isinstance(x, torch.Tensor)),
             *self.bindings.tensors,
         )
+        self.original_ids = {id(t) for t in self.originals}
+        #: Every tensor found in the closure, tracked or not (for the version check).
+        self.reached = self.bindings.reached()
+        #: What the Function is given: inside another region's run (a nested region)
+        #: the tensors ``fn`` reaches are the outer substitution's views of them.
+        self.inputs: tuple[torch.Tensor, ...] = _outer_views(self.originals)
+        #: Per op of the first run (the forward): which leaves were which input.
+        self.reads: list[tuple[Any, tuple[tuple[int, int], ...]]] | None = None
+        #: Positions of the arguments (and keyword names) that are tensors themselves.
+        self.tensor_args = [
+            (i, x) for i, x in enumerate(args) if isinstance(x, torch.Tensor)
+        ]
+        self.tensor_kwargs = [
+            (k, x) for k, x in kwargs.items() if isinstance(x, torch.Tensor)
+        ]
         #: Inputs the backward will differentiate (NOTE rule 7).
         self.differentiated = [i for i, t in enumerate(self.inputs) if _tracked(t)]
         #: Whether a backward will come (of this call, or of the call a vmap twin is for).
@@ -262,15 +288,32 @@ class _Call:
 
     def run(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Call ``fn`` with ``tensors`` in place of the inputs; return its tensor outputs."""
-        count = len(self.tensor_positions)
-        leaves = list(self.leaves)
-        for position, tensor in zip(self.tensor_positions, tensors[:count], strict=True):
-            leaves[position] = tensor
-        args, kwargs = optree.tree_unflatten(self.treedef, leaves)
-        with self.bindings.swapped(tensors[count:]), self.state.guarded(), \
-                self.trace.watching(), _inference_mode_errors(self.region):
-            out = self.fn(*args, **kwargs)
+        table = {
+            id(o): t for o, t in zip(self.originals, tensors, strict=True) if o is not t
+        }
+        first = self.reads is None
+        if not first:  # a recompute: what the forward saw, though slots were rebound since
+            self.bindings.check_versions(self.region.label)
+            table.update(self.bindings.remap(tensors[self.tensor_count :]))
+        substitution = _Substitution(self, table, tensors)
+        try:
+            # The substitution outermost: the state guard's own copies (a recompute's
+            # linked copy of a parameter) read the Function's views too.
+            with substitution, self.state.guarded(), self.trace.watching(), \
+                    _inference_mode_errors(self.region):
+                out = self.fn(*self.args_with(table), **self.kwargs_with(table))
+        except RuntimeError as e:
+            if "wrapped->level() < level" not in str(e):
+                raise
+            raise self.unsubstituted_error() from e
+        if first:
+            self.reads = substitution.reads
+            self.bindings.note_versions(substitution.used)
         out_leaves, out_treedef = flatten_region_io(out)
+        # ``fn`` may return a tensor it reached (``return self.w``): the Function's view.
+        out_leaves = [
+            table.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in out_leaves
+        ]
         positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
         if self.out_treedef is None:
             check_outputs_visible(out_leaves, self.region.label)
@@ -326,6 +369,40 @@ class _Call:
         it_f, it_o = iter(floats), iter(others)
         return tuple(next(it_f) if k else next(it_o) for k in kinds)
 
+    def unsubstituted_error(self) -> RematError:
+        """A transform inside ``fn`` wrapped a closed-over tensor itself (functorch's assert).
+
+        Inside the forward the outer levels are lowered, so a transform ``fn``
+        runs gets the number of one of them; wrapping a tensor of that outer
+        level there fails inside functorch before any op sees it.
+        """
+        found = ", ".join(self.bindings.names) or "a tensor it closes over"
+        return RematError(
+            f"remat: {self.region.label} hands a tensor it reached without receiving it "
+            f"straight to a torch.func transform run inside the region (one of: {found}); "
+            "remat substitutes such tensors op by op, and a transform's own wrapping is no "
+            "op. Pass that tensor itself as an argument of the rematerialized function."
+        )
+
+    def args_with(self, table: dict[int, torch.Tensor]) -> tuple[Any, ...]:
+        """The user's arguments, a tensor argument itself replaced by its view.
+
+        A tensor passed as an argument may go straight into a transform ``fn``
+        runs itself (``torch.func.grad(g)(x)``), which no op substitution sees.
+        Containers stay the user's own, so what ``fn`` does to them stays done.
+        """
+        if not self.tensor_args:
+            return self.args
+        args = list(self.args)
+        for i, x in self.tensor_args:
+            args[i] = table.get(id(x), x)
+        return tuple(args)
+
+    def kwargs_with(self, table: dict[int, torch.Tensor]) -> dict[str, Any]:
+        if not self.tensor_kwargs:
+            return self.kwargs
+        return {**self.kwargs, **{k: table.get(id(x), x) for k, x in self.tensor_kwargs}}
+
     def partial(
         self, inputs: Sequence[torch.Tensor], moving: Sequence[int], outputs: Sequence[int]
     ) -> Callable[..., tuple[torch.Tensor, ...]]:
@@ -350,16 +427,19 @@ class _Call:
         """The region's forward: record what the policy keeps, guard against hidden inputs."""
         if self.region.preserve_rng_state:
             self.rng = RngState.capture(tensors, generators_of(self.user_fn, self.leaves))
-        with _HiddenInputGuard(self, tensors) as self.guard, _Births(self.guard), self.watch(
-            tensors
-        ):
-            if not self.region.policy.needs_op_trace and not self.region.policy.keeps_last_region:
-                out = self.run(tensors)
-            else:
-                self.log = _new_log(self.region)
-                with RecordMode(self.log):
-                    out = self.run_as_differentiated(tensors)
-        self.guard = None
+        # The guard checks each op as `_Substitution` hands it over (one mode, not two).
+        self.guard = _HiddenInputGuard(self, tensors)
+        try:
+            policy = self.region.policy
+            with _Births(self.guard), self.watch(tensors):
+                if not policy.needs_op_trace and not policy.keeps_last_region:
+                    out = self.run(tensors)
+                else:
+                    self.log = _new_log(self.region)
+                    with RecordMode(self.log):
+                        out = self.run_as_differentiated(tensors)
+        finally:
+            self.guard = None
         self.rng_after = self.rng.now() if self.rng is not None else None
         out, escaped = self.escapes.collect(out) if self.differentiated else (out, ())
         if self.log is not None:
@@ -728,11 +808,130 @@ def _forward_ad_levels() -> int:
 
 
 # ---------------------------------------------------------------------------
+# Substitution: each op gets the Function's view of what ``fn`` reached (rule 2)
+# ---------------------------------------------------------------------------
+
+
+def _outer_views(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``tensors`` as the innermost running substitution maps them (a nested region)."""
+    if not local.substitutions:
+        return tensors
+    table = local.substitutions[-1].table
+    return tuple(table.get(id(t), t) for t in tensors)
+
+
+def _flat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+    """An op's arguments as one list when none is a container (most ops), else None."""
+    flat = [*args, *kwargs.values()]
+    if any(isinstance(x, (list, tuple, dict)) for x in flat):
+        return None
+    return flat
+
+
+class _Substitution(TorchFunctionMode):
+    """Give each op the Function's view of each tensor ``fn`` reached (NOTE rule 2).
+
+    ``table`` maps the ``id`` of a tensor as ``fn`` reaches it (a leaf of an
+    argument, a closed-over tensor, what a rebound slot holds now) to what the
+    op must get: the Function's input (unwrapped, or the inner ``vjp``'s
+    wrapper) or a snapshot. A mode is per thread, and no slot is written:
+    another thread reading the same tensors sees its own. The first run of a
+    call (the forward) writes ``trace``: per op, which leaves were which input.
+    A later run (a recompute) also gives a leaf the table does not know the
+    input the forward had there, while its ops are the forward's (a list
+    appended to since the forward, read as ``store[-1]``).
+    """
+
+    def __init__(
+        self, call: _Call, table: dict[int, torch.Tensor], tensors: Sequence[torch.Tensor]
+    ) -> None:
+        super().__init__()
+        self.table = table
+        self.tensors = tensors
+        self.replayed = call.reads
+        self.reads: list[tuple[Any, tuple[tuple[int, int], ...]]] = []
+        self.index = {id(o): i for i, o in enumerate(call.originals)} if call.reads is None else {}
+        self.step = 0
+        #: The forward's guard (NOTE rule 2), checking each op after substitution.
+        self.guard = call.guard
+        #: Forward: ids of the tensors ``fn`` reached that some op got (version-checked).
+        self.used: set[int] = set()
+        self.watched = call.reached if call.reads is None else {}
+
+    def __enter__(self) -> _Substitution:
+        super().__enter__()  # type: ignore[no-untyped-call]
+        local.substitutions.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        local.substitutions.pop()
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        flat = _flat(args, kwargs)
+        tree: Any = (args, kwargs)
+        leaves, treedef = (flat, None) if flat is not None else optree.tree_flatten(tree)
+        # remat's own work inside ``fn`` (the state guard's copies) is no op of the
+        # forward's record: substituted by identity only, neither recorded nor stepped.
+        ours = bool(local.internal_depth)
+        expected = None if ours else self._expected(func)
+        uses: list[tuple[int, int]] = []
+        changed = False
+        for j, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if id(leaf) in self.watched:
+                self.used.add(id(leaf))
+            new = self.table.get(id(leaf))
+            if new is None and expected:
+                i = expected.get(j)
+                new = None if i is None or leaf is self.tensors[i] else self.tensors[i]
+            if new is not None:
+                if self.replayed is None and id(leaf) in self.index:
+                    uses.append((j, self.index[id(leaf)]))
+                leaves[j] = new
+                changed = True
+        if self.replayed is None and not ours:
+            self.reads.append((func, tuple(uses)))
+        new_args: Any = args
+        new_kwargs: Any = kwargs
+        if changed and treedef is None:  # flat: positional arguments, then keyword values
+            new_args = tuple(leaves[: len(args)])
+            new_kwargs = dict(zip(kwargs, leaves[len(args) :], strict=True))
+        elif changed:
+            new_args, new_kwargs = optree.tree_unflatten(treedef, leaves)
+        if self.guard is not None:
+            return self.guard.run(func, new_args, new_kwargs, leaves)
+        return func(*new_args, **new_kwargs)
+
+    def _expected(self, func: Any) -> dict[int, int] | None:
+        """In a recompute: which leaves of this op were which input in the forward."""
+        if self.replayed is None:
+            return None
+        step, self.step = self.step, self.step + 1
+        if step >= len(self.replayed):
+            self.replayed = []
+            return None
+        then, uses = self.replayed[step]
+        if then is not func and then != func:
+            self.replayed = []  # the ops differ from here on: by identity only
+            return None
+        return dict(uses) if uses else None
+
+
+# ---------------------------------------------------------------------------
 # Guard against tensors the Function was not given (NOTE rule 2)
 # ---------------------------------------------------------------------------
 
 
-class _HiddenInputGuard(TorchFunctionMode):
+class _HiddenInputGuard:
     """Raise `RematError` when ``fn`` uses a tracked tensor that is not an input.
 
     Levels are numbered by depth, so inside the forward (run with the outer
@@ -746,7 +945,6 @@ class _HiddenInputGuard(TorchFunctionMode):
     """
 
     def __init__(self, call: _Call, inputs: Sequence[torch.Tensor]) -> None:
-        super().__init__()
         self.call = call
         self.known = {id(t) for t in inputs}
         self.inputs = list(inputs)
@@ -754,24 +952,20 @@ class _HiddenInputGuard(TorchFunctionMode):
         self.born: set[int] = set()
         self.live = {i.level() for i in retrieve_all_functorch_interpreters()}
 
-    def __enter__(self) -> _HiddenInputGuard:
-        super().__enter__()  # type: ignore[no-untyped-call]
-        return self
-
     def know(self, tensors: Sequence[Any]) -> None:
         self.known.update(id(t) for t in tensors if isinstance(t, torch.Tensor))
 
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+    def run(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any]
     ) -> Any:
-        kwargs = kwargs or {}
-        tree: Any = (args, kwargs)
-        leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=False)
-        self.call.trace.offer(func, args, kwargs)  # NOTE [ Recompute signatures ]
+        """Run one torch call of the forward, its tensors already substituted, checking it.
+
+        ``leaves`` are those of ``(args, kwargs)``. Besides the hidden-input check,
+        the call is offered to the recompute signature (NOTE [ Recompute signatures ]),
+        its ``autograd.grad`` targets are checked, and its outputs are noted for
+        escapes (NOTE [ Escaped tensors ]).
+        """
+        self.call.trace.offer(func, args, kwargs)
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and id(leaf) not in self.known:
                 self.check(leaf, func)
@@ -834,6 +1028,7 @@ class _HiddenInputGuard(TorchFunctionMode):
                 raise outside_grad_error(self.call.region.label, t)
 
     def check(self, t: torch.Tensor, func: Any) -> None:
+        self._check_substituted(t, func)
         if _functorch.is_functorch_wrapped_tensor(t):
             level = _functorch.maybe_get_level(t)
             if level in self.call.outer_levels:
@@ -859,6 +1054,38 @@ class _HiddenInputGuard(TorchFunctionMode):
             "returns. Pass the tensor itself as an argument, or register the type "
             "that holds it as a pytree: optree.register_pytree_node(cls, flatten_func, "
             "unflatten_func, namespace='remat')."
+        )
+
+    def _check_substituted(self, t: torch.Tensor, func: Any) -> None:
+        """Raise if a tensor ``fn`` reached got to an op as itself, not as the Function's view.
+
+        The substitution sees the tensors in an op's pytree arguments; one
+        reached some other way (a transform ``fn`` runs on a closed-over tensor,
+        ``torch.func.grad(g)(self.w)``, wraps it where no op sees it) would be
+        differentiated outside the region.
+        """
+        inner = t
+        while True:
+            if id(inner) in self.known:  # an input itself (the forward got it unwrapped)
+                return
+            if id(inner) in self.call.original_ids:
+                break
+            if not _functorch.is_functorch_wrapped_tensor(inner):
+                return
+            inner = _functorch.get_unwrapped(inner)
+        index = next(i for i, o in enumerate(self.call.originals) if o is inner)
+        count = self.call.tensor_count
+        where = (
+            f"argument tensor #{index}" if index < count
+            else self.call.bindings.names[index - count]
+        )
+        name = getattr(func, "__name__", str(func))
+        raise RematError(
+            f"remat: {self.call.region.label} hands {where} to {name} in a way remat "
+            "cannot substitute (inside a container it does not flatten, or straight into "
+            "a torch.func transform run inside the region), so under torch.func it would "
+            "be differentiated outside the region. Pass that tensor itself as an argument "
+            "of the rematerialized function."
         )
 
     def _wraps_known(self, t: torch.Tensor) -> bool:

@@ -54,6 +54,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .._autocast import AutocastState
 from .._autograd_inside import GradWatch, OutsideGradError, feeds
+from .._closure import find_closed_over
 from .._compile import uncompiled
 from .._errors import NondeterministicRecomputeError, RematError, SavedInputMutatedError
 from .._module_state import state_guard_of
@@ -156,6 +157,11 @@ class Frame:
         self.autocast = AutocastState.capture()
         self.state_guard = state_guard_of(region.fn, leaves, region.label)
         self.versions: list[int] = []
+        #: Tensors the region reads without receiving them (closures, globals,
+        #: attributes), by id, with where they were found; None until needed.
+        self.outside: dict[int, str] | None = None
+        #: Saved holders of such tensors, by index: where the tensor was found.
+        self.outside_names: dict[int, str] = {}
         #: Parameters (leaves requiring grad) the forward saved views of.
         self.leaf_versions: dict[int, tuple[torch.Tensor, int]] = {}
         self.mutated_in_forward = False
@@ -285,10 +291,21 @@ class Frame:
             holder.source = self.log.lookup(t)
             if holder.source is None:
                 holder.owned = False
+                where = self.closed_over(t)
+                if where is not None:
+                    self.outside_names[holder.index] = where
                 return Decision.SAVE  # made outside the region: a closure or a global
             record, position = holder.source
             decision = record.decision_at(position)
         else:
+            where = self.closed_over(t)
+            if where is not None:
+                # Made outside the region (no op log says so here): keep it, so an
+                # in-place change before backward raises as plain autograd does,
+                # instead of a recompute from the new values.
+                holder.owned = False
+                self.outside_names[holder.index] = where
+                return Decision.SAVE
             assert self.decision is not None, "this is a bug in remat, please report it"
             decision = self.decision
         if decision is Decision.OFFLOAD and not self.can_offload(t):
@@ -297,6 +314,27 @@ class Frame:
             holder.demotable = True
             return Decision.SAVE
         return decision
+
+    def closed_over(self, t: torch.Tensor) -> str | None:
+        """Where the region found ``t`` (or the tensor ``t`` views) without receiving it.
+
+        Only a tensor no op of the region's graph made (no ``grad_fn``) is
+        looked up: what autograd saves with a ``grad_fn`` was made in the region
+        (the usual case, and the walk costs a call's worth of Python). Parameters
+        and their views are left to `note_leaf` and the state guard, which also
+        see a ``.data`` assignment.
+        """
+        if t.grad_fn is not None:
+            return None
+        base = t._base
+        if base is not None and base.is_leaf and base.requires_grad:
+            return None
+        if self.outside is None:  # walked once, at the first tensor saved
+            self.outside = find_closed_over(self.region.fn).reached()
+        where = self.outside.get(id(t))
+        if where is None and base is not None:
+            where = self.outside.get(id(base))
+        return where
 
     def finish_forward(self, out: Any = None) -> None:
         """Fill holders named after they were saved; release kept ops nothing reads."""
@@ -487,10 +525,13 @@ class Frame:
             holder.tensor = None
             return
         assert isinstance(holder.tensor, torch.Tensor), "this is a bug in remat, please report it"
+        what = self.outside_names.get(
+            holder.index, "an input, a parameter or a closed-over tensor"
+        )
         raise SavedInputMutatedError(
             "remat: one of the variables needed for gradient computation has been modified "
             f"by an inplace operation: a tensor of shape {tuple(holder.tensor.shape)} that "
-            f"{self.region.label} saved (an input, a parameter or a closed-over tensor) is "
+            f"{self.region.label} saved ({what}) is "
             f"at version {holder.tensor._version}; expected version {holder.version}. "
             "Modify it after backward, or clone it before modifying it."
         )
@@ -604,7 +645,9 @@ class Frame:
         try:
             self._enter_recompute(stack, replay)
         except BaseException:
-            stack.close()  # a context that refuses (the state guard) leaves none entered
+            # Entering can raise (the state guard's in-place check): unwind what was
+            # entered, or this thread's frame stack would keep the recompute's frame.
+            stack.close()
             raise
         return stack
 
