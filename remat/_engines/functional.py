@@ -906,6 +906,7 @@ class _Substitution(TorchFunctionMode):
             new_args = tuple(leaves[: len(args)])
             new_kwargs = dict(zip(kwargs, leaves[len(args) :], strict=True))
         elif changed:
+            assert treedef is not None, "this is a bug in remat, please report it"
             new_args, new_kwargs = optree.tree_unflatten(treedef, leaves)
         if self.guard is not None:
             return self.guard.run(func, new_args, new_kwargs, leaves)
