@@ -64,6 +64,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ._compile import uncompiled
 from ._errors import RematError, SavedInputMutatedError
+from ._signature import STANDS_FOR_LEAF
 from ._state import entered_internally, internal, local
 
 __all__ = [
@@ -243,7 +244,9 @@ def _linked_copy(current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         ):
             return value.clone()
         with torch.enable_grad():
-            return current + (value - current).detach()
+            linked = current + (value - current).detach()
+        setattr(linked, STANDS_FOR_LEAF, current.grad_fn is None)  # the recompute check
+        return linked
 
 
 _PLAIN_TYPES = (int, float, complex, bool, str, bytes, type(None))

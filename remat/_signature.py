@@ -82,9 +82,16 @@ def divergence(label: str, what: str) -> NondeterministicRecomputeError:
 SavedSignature = tuple[torch.Size, torch.dtype, torch.device, Any]
 
 
+#: Attribute remat sets on a tensor it made to stand for a leaf in a recompute (the
+#: state guard's linked copy of a parameter the forward wrote): it signs as that leaf.
+STANDS_FOR_LEAF = "_remat_stands_for_leaf"
+
+
 def saved_signature(t: torch.Tensor, is_input: bool) -> SavedSignature:
     """The signature of a tensor autograd saves; ``is_input``: a region input."""
     made_by: Any = "input" if is_input else type(t.grad_fn)
+    if getattr(t, STANDS_FOR_LEAF, False):
+        made_by = type(None)
     return (t.shape, t.dtype, t.device, made_by)
 
 
