@@ -191,7 +191,13 @@ class TraceMode(TorchFunctionMode):
     ) -> Any:
         # Not inside an inner region, nor remat's own work (the state guard's snapshots).
         if _local.stack and _local.stack[-1] is self and not state.internal_depth:
-            self.note((func, arg_shapes(args, kwargs)))
+            # Reading shapes is a torch call (a property) that modes below must not number.
+            state.internal_depth += 1
+            try:
+                call = (func, arg_shapes(args, kwargs))
+            finally:
+                state.internal_depth -= 1
+            self.note(call)
         return func(*args, **(kwargs or {}))
 
     def note(self, call: Call) -> None:

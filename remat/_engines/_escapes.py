@@ -52,7 +52,8 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .._errors import RematError
+from .._errors import NondeterministicRecomputeError, RematError
+from .._signature import CURES
 from .._state import local
 
 __all__ = ["EscapeWatch"]
@@ -268,7 +269,7 @@ class EscapeWatch(TorchFunctionMode):
             self.wanted, self.captured = saved
         missing = [e for e, t in zip(self.found, captured, strict=True) if t is None]
         if missing:
-            raise self._error(missing[0], "the recompute did not make it again")
+            raise self._error(missing[0], "the recompute did not make it again", diverged=True)
         return (*out, *(t for t in captured if t is not None))
 
     def _capture(self, index: int, func: Any, out: Any) -> None:
@@ -287,12 +288,17 @@ class EscapeWatch(TorchFunctionMode):
                 or t.dtype != escape.dtype
             ):
                 raise self._error(
-                    escape, f"the recompute made something else in its place ({name})"
+                    escape, f"the recompute made something else in its place ({name})",
+                    diverged=True,
                 )
             self.captured[slot] = t
 
-    def _error(self, escape: _Escape, reason: str) -> RematError:
-        return RematError(
+    def _error(self, escape: _Escape, reason: str, diverged: bool = False) -> RematError:
+        """The error for an escape that cannot be handed back; ``diverged``: the
+        recompute differs from the forward there (its usual causes and cures follow)."""
+        kind = NondeterministicRecomputeError if diverged else RematError
+        cures = f" {CURES}" if diverged else ""
+        return kind(
             f"remat: {self.label} let a tensor out other than through its return value "
             f"({escape.describe()}; kept by a forward hook, a list, an attribute or a "
             f"global), and under torch.func {reason}, so its gradient would be wrong. "
@@ -300,7 +306,8 @@ class EscapeWatch(TorchFunctionMode):
             "or store `t.detach()` if no gradient should flow through it. In a Hugging "
             "Face model a KV cache filled during training is such a tensor: pass "
             "use_cache=False (as its own gradient checkpointing does). If this region "
-            "runs another rematerialized region, or runs inside one, remat only one of them."
+            "runs another rematerialized region, or runs inside one, remat only one of "
+            f"them.{cures}"
         )
 
 
