@@ -159,9 +159,15 @@ class OpTrace:
         self.recorded = True
 
     def offer(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> None:
-        """A call the guard saw: recorded while ``fn`` of this call runs, outside inner regions."""
-        if _local.stack and _local.stack[-1] is self and not state.internal_depth:
-            self.calls.append((func, arg_shapes(args, kwargs)))
+        """A call the guard saw: recorded by the innermost trace recording a run of ``fn``.
+
+        That is this call's, or, under the vmap rule, the original call's: the twin
+        whose guard sees the call runs the original's ``fn`` per example (NOTE [ The
+        functional engine ] rule 10). Not inside inner regions, nor remat's own work.
+        """
+        top = _local.stack[-1] if _local.stack else None
+        if isinstance(top, OpTrace) and not state.internal_depth:
+            top.calls.append((func, arg_shapes(args, kwargs)))
 
     def note(self, call: Call) -> None:
         self.calls.append(call)

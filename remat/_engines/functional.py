@@ -137,7 +137,7 @@ from .._region import Region
 from .._replay import OpLog, OpRecord, RecordMode, ReplayMode, physical, storage_address
 from .._rng import RngState, check_batched_recompute, generators_of, vmap_levels
 from .._signature import OpTrace, divergence
-from .._state import is_recomputing, local, recomputing
+from .._state import internal, is_recomputing, local, recomputing
 from ..policies import Decision, Policy
 from ._escapes import EscapeWatch
 
@@ -460,6 +460,8 @@ class _Call:
         """This call over a vmap batch: ``runner`` (``vmap(fn)``) of the physical inputs."""
         twin = _Call(self.region, runner, tuple(tensors), {}, bindings=Bindings())
         twin.differentiable = twin.differentiable or self.differentiable
+        # The original call's trace, inside ``runner``, checks every recompute.
+        twin.trace = OpTrace(self.region.label, enabled=False)
         return twin
 
     def reversed_inside_vmap(self) -> bool:
@@ -791,7 +793,7 @@ def _inference_mode_errors(region: Region) -> Iterator[None]:
 @contextlib.contextmanager
 def _below_all_levels() -> Iterator[None]:
     """Plain tensor ops, seen by no dispatch mode and no functorch level (store copies)."""
-    with _disable_current_modes(), torch._C._DisableFuncTorch():
+    with _disable_current_modes(), torch._C._DisableFuncTorch(), internal():
         yield
 
 
