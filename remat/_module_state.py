@@ -275,10 +275,39 @@ def _has_grad_slot(t: Any) -> bool:
     )
 
 
-def _grad_state(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    # The tensor itself, not its id: a freed ``.grad``'s id may be reused.
-    grad = t.grad
-    return None if grad is None else (grad, grad._version)
+class _Accumulations:
+    """The leaves a backward on this thread accumulates into while the forward runs (rule 3).
+
+    A post-accumulate-grad hook per watched leaf, not a before/after comparison of
+    ``.grad``: another thread training on the same parameters changes ``.grad``
+    too, and the recompute must not undo its work.
+    """
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.handles: list[Any] = []
+        self.hit: dict[int, tuple[torch.Tensor, bool]] = {}
+        self.ids: set[int] = set()
+
+    def watch(self, t: torch.Tensor) -> None:
+        if id(t) in self.ids:
+            return
+        self.ids.add(id(t))
+        started_empty = t.grad is None
+
+        def accumulated(leaf: torch.Tensor) -> None:
+            if threading.get_ident() == self.thread:
+                self.hit.setdefault(id(leaf), (leaf, started_empty))
+
+        self.handles.append(t.register_post_accumulate_grad_hook(accumulated))
+
+    def close(self) -> list[tuple[torch.Tensor, bool]]:
+        """Stop watching; the leaves accumulated into, with whether ``.grad`` was None."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self.ids = [], set()
+        hit, self.hit = list(self.hit.values()), {}
+        return hit
 
 
 def _closure_cells(fn: Any) -> list[types.CellType]:
@@ -414,7 +443,7 @@ class StateGuard:
         #: Leaves whose ``.grad`` an inner backward may change (rule 3), with its
         #: state when watched; after the forward, those it changed.
         self._grad_leaves = [t for t in leaves if _has_grad_slot(t)]
-        self.grad_watch: list[tuple[torch.Tensor, Any]] = []
+        self.grad_watch = _Accumulations()
         #: (leaf, whether its ``.grad`` was None when the forward started).
         self.grads_written: list[tuple[torch.Tensor, bool]] = []
 
@@ -442,14 +471,20 @@ class StateGuard:
         if local.substitutions:  # the torch.func engine maps the slots itself: no pins
             self.pins = None
         self.cell_start = [(cell, cell.cell_contents) for cell in self.cells if _plain(cell)]
-        self.grad_watch = [(t, _grad_state(t)) for t in self._grad_leaves]
+        self.grad_watch = _Accumulations()
+        for t in self._grad_leaves:
+            self.grad_watch.watch(t)
         for owner in self.owners:
             self._pin(type(owner).__qualname__, owner, recurse=False)
             self._snapshot_stateful(owner)  # children it may call as ``child.forward(x)``
         for root in self.roots:
             self._pin(type(root).__qualname__, root, recurse=True)
-        with _watching(self) if self.watch else contextlib.nullcontext():
-            yield
+        try:
+            with _watching(self) if self.watch else contextlib.nullcontext():
+                yield
+        except BaseException:
+            self.grad_watch.close()  # no hook left on the user's leaves
+            raise
         if self.pins is None:
             self.pins = []
         self._note_writes()
@@ -467,10 +502,7 @@ class StateGuard:
         self.written = list(written.values())
         self.watched = []
         self._watch_keys = set()
-        self.grads_written = [
-            (t, state is None) for t, state in self.grad_watch if _grad_state(t) != state
-        ]
-        self.grad_watch = []
+        self.grads_written = self.grad_watch.close()
         # What the recompute gets back as the forward found it is state, like a
         # stateful module's: a second forward that writes it again is no mutation.
         restored = {(id(w.table), w.name) for w in self.written if w.snapshot is not None}
@@ -520,7 +552,7 @@ class StateGuard:
         self.watched.extend(watched)
         for w in watched:
             if w.parameter and _has_grad_slot(w.tensor):
-                self.grad_watch.append((w.tensor, _grad_state(w.tensor)))
+                self.grad_watch.watch(w.tensor)
 
     # -- recompute -----------------------------------------------------------
 
