@@ -418,6 +418,7 @@ class StateGuard:
         watch: bool = True,
         cells: Iterable[types.CellType] = (),
         leaves: Iterable[torch.Tensor] = (),
+        grads: bool = True,
     ) -> None:
         self.label = label
         self.watch = watch
@@ -442,7 +443,11 @@ class StateGuard:
         self.cell_start: list[tuple[types.CellType, Any]] = []
         #: Leaves whose ``.grad`` an inner backward may change (rule 3), with its
         #: state when watched; after the forward, those it changed.
-        self._grad_leaves = [t for t in leaves if _has_grad_slot(t)]
+        #: Whether to watch ``.grad`` at all (rule 3): not where no ``.backward()``
+        #: can run inside the forward (torch refuses it under a torch.func transform),
+        #: since reading ``.grad`` races with another thread training the same leaves.
+        self.grads = grads
+        self._grad_leaves = [t for t in leaves if _has_grad_slot(t)] if grads else []
         self.grad_watch = _Accumulations()
         #: (leaf, whether its ``.grad`` was None when the forward started).
         self.grads_written: list[tuple[torch.Tensor, bool]] = []
@@ -551,7 +556,7 @@ class StateGuard:
         watched = _watch(path, module, stateful, self._watch_keys)
         self.watched.extend(watched)
         for w in watched:
-            if w.parameter and _has_grad_slot(w.tensor):
+            if self.grads and w.parameter and _has_grad_slot(w.tensor):
                 self.grad_watch.watch(w.tensor)
 
     # -- recompute -----------------------------------------------------------
@@ -736,7 +741,10 @@ def _saw(module: nn.Module) -> None:
 
 
 def state_guard_of(
-    fn: Callable[..., Any], leaves: Iterable[Any] = (), label: str = "the region"
+    fn: Callable[..., Any],
+    leaves: Iterable[Any] = (),
+    label: str = "the region",
+    grads: bool = True,
 ) -> StateGuard:
     """A `StateGuard` for a region's call.
 
@@ -756,7 +764,8 @@ def state_guard_of(
         (1, 0)
     """
     if getattr(fn, "remat_guards_modules", False):
-        return StateGuard(label, watch=False)  # a wrapped module's forward has its own guard
+        # A wrapped module's forward has its own guard.
+        return StateGuard(label, watch=False, grads=grads)
     roots = [fn] if isinstance(fn, nn.Module) else []
     owners: list[nn.Module] = []
     owner = getattr(fn, "__self__", None)
@@ -771,4 +780,6 @@ def state_guard_of(
         if isinstance(value, nn.Module):
             owners.append(value)
     cells = _closure_cells(fn)
-    return StateGuard(label, roots, owners, cells=cells, leaves=_closed_over_leaves(fn, cells))
+    return StateGuard(
+        label, roots, owners, cells=cells, leaves=_closed_over_leaves(fn, cells), grads=grads
+    )

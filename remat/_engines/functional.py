@@ -240,7 +240,8 @@ class _Call:
         self.bindings: Bindings = bindings
         #: Module buffers, closure cells and ``.grad`` the forward changes, changed
         #: once (NOTE [ State the forward changes ] in ``_module_state.py``).
-        self.state = state_guard_of(fn, leaves, region.label)
+        # No ``.grad`` watch: torch refuses ``.backward()`` inside a transform.
+        self.state = state_guard_of(fn, leaves, region.label, grads=False)
         #: The tensors as ``fn`` reaches them: the ones each op gets substituted.
         self.originals: tuple[torch.Tensor, ...] = (
             *(x for x in leaves if isinstance(x, torch.Tensor)),
