@@ -53,3 +53,15 @@ def test_policy_table_in_the_docs_is_what_the_script_prints() -> None:
     with contextlib.redirect_stdout(io.StringIO()) as out:
         load("policy_table").main()
     assert out.getvalue().strip() in (ROOT / "docs" / "policies.md").read_text()
+
+
+def test_checks_cost_runs_and_remat_holds_less_in_eager() -> None:
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        result = load("checks_cost").main(
+            ["--width", "16", "--depth", "2", "--batch", "2", "--seq", "8", "--heads", "2",
+             "--repeats", "1"]
+        )
+    assert all(0 < cost < 100 for cost in result["costs"].values())
+    peaks = result["peaks"]
+    assert peaks[("eager", "nothing-saveable")] < peaks[("eager", None)]
+    assert "check on / off" in out.getvalue()
