@@ -291,3 +291,47 @@ def test_nested_regions_with_escapes_under_vmap_raise_with_a_working_fix(
     # The fix the message gives: either region alone is exact.
     for pair in ((run_inner, outer), (inner, run_outer)):
         assert_close_all(run(nested_loss(*pair), xs, w, ws), expected)
+
+
+# -- Hugging Face: GPT-2's attentions, collected by a hook, per example -----------------------
+
+
+@pytest.mark.parametrize("composition", ["vmap(grad)", "grad(vmap)"])
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable"])
+def test_gpt2_output_attentions_under_vmap(policy: str, composition: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    plain = transformers.GPT2Model(cfg).double()
+    wrapped = remat.apply(copy.deepcopy(plain), policy=policy, where=type(plain.h[0]))
+    ids = torch.randint(0, 64, (3, 1, 8))  # a batch of 3 examples of (1, 8)
+
+    def loss(model: nn.Module) -> Callable[..., torch.Tensor]:
+        def f(p: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+            kwargs = {"output_attentions": True, "use_cache": False}
+            out = functional_call(model, p, (ids,), kwargs)
+            return out.last_hidden_state.sum() + 100 * sum((a**2).sum() for a in out.attentions)
+
+        return f
+
+    def run(model: nn.Module) -> dict[str, torch.Tensor]:
+        f = loss(model)
+        if composition == "vmap(grad)":
+            return vmap(grad(f), in_dims=(None, 0))(params, ids)  # type: ignore[no-any-return]
+        return grad(lambda p, i: vmap(f, in_dims=(None, 0))(p, i).sum())(params, ids)  # type: ignore[no-any-return]
+
+    params = dict(plain.named_parameters())
+    with OpCounter() as without:
+        expected = run(plain)
+    with OpCounter() as counter:
+        actual = run(wrapped)
+    assert expected["h.0.attn.c_attn.weight"].abs().sum() > 0
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-6, atol=1e-8)
+    # The layers were recomputed (nothing-saveable) or their matmuls replayed.
+    def matmuls(c: OpCounter) -> int:
+        return c.counts["bmm"] + c.counts["mm"] + c.counts["addmm"]
+
+    assert (matmuls(counter) > matmuls(without)) == (policy == "nothing-saveable")
