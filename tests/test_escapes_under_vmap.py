@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call, grad, jacfwd, jacrev, vmap
+from torch.func import functional_call, grad, hessian, jacfwd, jacrev, vmap
 
 import remat
 from tests.helpers import OpCounter, assert_close_all
@@ -106,6 +106,13 @@ COMPOSITIONS: dict[str, Callable[[Loss, torch.Tensor, torch.Tensor, torch.Tensor
     "vmap(grad(grad))": lambda f, xs, w, ws: vmap(
         grad(lambda x, w: grad(f, argnums=1)(x, w).sum(), argnums=(0, 1)), in_dims=(0, None)
     )(xs, w),
+    "grad(vmap(grad))": lambda f, xs, w, ws: (
+        grad(lambda w: vmap(grad(f, argnums=1), in_dims=(0, None))(xs, w).sum())(w),
+    ),
+    "hessian(vmap)": lambda f, xs, w, ws: (
+        hessian(lambda w: vmap(f, in_dims=(0, None))(xs, w).sum())(w),
+    ),
+    "vmap(hessian)": lambda f, xs, w, ws: (vmap(hessian(f, argnums=1), in_dims=(0, None))(xs, w),),
     "eager backward through vmap": lambda f, xs, w, ws: _eager_through_vmap(f, xs, w),
 }
 

@@ -318,7 +318,15 @@ class EscapeWatch(TorchFunctionMode):
         missing = [e for e, t in zip(self.found, captured, strict=True) if t is None]
         if missing:
             raise self._error(missing[0], "the recompute did not make it again", diverged=True)
-        return (*out, *(t for t in captured if t is not None))
+        # ``run`` may end a level it captured under (a vmap twin's recompute runs
+        # ``vjp(fn)`` per example, rule 6): unwrap that level as ``vjp`` unwraps outputs.
+        values = []
+        for escape, t in zip(self.found, captured, strict=True):
+            value = _below_dead_levels(t) if t is not None else None
+            if value is None:
+                raise self._error(escape, "it was made inside a vmap that ended within the region")
+            values.append(value)
+        return (*out, *values)
 
     def _capture(self, index: int, func: Any, out: Any) -> None:
         assert self.wanted is not None, "this is a bug in remat, please report it"
