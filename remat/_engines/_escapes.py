@@ -45,8 +45,12 @@ NOTE [ Escaped tensors ]
    call), collects there, and returns the escaped tensors as extra outputs of
    the vmapped run, hence of the twin and of the vmap rule (batched, or not).
    The user's level then swaps them in as usual (rule 4). Every recompute of
-   the twin captures them again inside the vmap (`run` per example), and the
-   original call's own backward (``vmap(grad)``) by the same call numbers.
+   the twin captures them again inside the vmap (`run` per example, stripping
+   the inner ``vjp`` level that ends there, as ``vjp`` does for outputs), and
+   the original call's own backward (``vmap(grad)``) by the same call numbers.
+   What cannot be handed back is loud: a tensor made inside a vmap that ended
+   within ``fn`` (its batch would show as a plain dimension), and one let out
+   by a region that runs, undifferentiated, inside another region under vmap.
 """
 
 from __future__ import annotations

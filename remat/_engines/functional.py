@@ -108,7 +108,9 @@ NOTE [ The functional engine ]
    ``fn`` hands out other than through its return value (a hook appending to
    a list, an attribute, a global) becomes an extra output of the Function,
    swapped into the user's Python object after ``apply``; the recompute
-   captures it again by the number of the torch call that made it.
+   captures it again by the number of the torch call that made it. Under the
+   vmap rule (rule 10) it is found inside the vmapped run and leaves the twin as
+   an extra batched output (rule 6 there).
 """
 
 from __future__ import annotations
