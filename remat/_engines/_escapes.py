@@ -37,6 +37,20 @@ NOTE [ Escaped tensors ]
    gives each escaped tensor's cotangent its part of the gradient. The call's
    name, shape and dtype are checked: a recompute that makes something else
    there raises instead of differentiating the wrong tensor.
+6. Under the vmap rule (NOTE rule 10 in ``functional.py``) the twin's forward
+   runs ``fn`` inside its own ``vmap``, where what ``fn`` lets out is a wrapper
+   of that inner level, dead once it exits. So the twin watches nothing itself
+   (``enabled``); the call it is for watches each example's run inside the vmap
+   (`watching_calls`: no guard runs there, so the watch, as a mode, notes each
+   call), collects there, and returns the escaped tensors as extra outputs of
+   the vmapped run, hence of the twin and of the vmap rule (batched, or not).
+   The user's level then swaps them in as usual (rule 4). Every recompute of
+   the twin captures them again inside the vmap (`run` per example, stripping
+   the inner ``vjp`` level that ends there, as ``vjp`` does for outputs), and
+   the original call's own backward (``vmap(grad)``) by the same call numbers.
+   What cannot be handed back is loud: a tensor made inside a vmap that ended
+   within ``fn`` (its batch would show as a plain dimension), and one let out
+   by a region that runs, undifferentiated, inside another region under vmap.
 """
 
 from __future__ import annotations
@@ -54,7 +68,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._errors import NondeterministicRecomputeError, RematError
 from .._signature import CURES
-from .._state import local
+from .._state import internal, local
 
 __all__ = ["EscapeWatch"]
 
@@ -99,6 +113,8 @@ class EscapeWatch(TorchFunctionMode):
         #: Recompute: call number -> [(position, slot in ``captured``)].
         self.wanted: dict[int, list[tuple[int, int]]] | None = None
         self.captured: list[torch.Tensor | None] = []
+        #: False for a vmap twin: the call it is for watches inside the vmap (rule 6).
+        self.enabled = True
 
     # -- numbering -------------------------------------------------------------
 
@@ -121,11 +137,18 @@ class EscapeWatch(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if self.active and self.wanted is not None and not local.internal_depth:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.active or local.internal_depth:
+            return out
+        if self.wanted is not None:
             index = self.count
             self.count += 1
             self._capture(index, func, out)
+        elif self.noting:  # a forward with no guard to call `note` (inside a vmap twin)
+            tree: Any = (args, kwargs)
+            arg_leaves: list[Any] = optree.tree_leaves(tree)
+            self.note(func, args, kwargs, arg_leaves, optree.tree_leaves(out, none_is_leaf=True))
         return out
 
     # -- forward ---------------------------------------------------------------
@@ -137,6 +160,9 @@ class EscapeWatch(TorchFunctionMode):
         The forward's `TorchFunctionMode` (the engine's hidden-input guard, the
         only one there) calls `note` for each call: one mode less on every op.
         """
+        if not self.enabled:
+            yield
+            return
         self.taint(differentiated)
         # The Function runs the plain forward with grad disabled: then grad mode
         # inside ``fn`` says nothing, and every tainted output may carry a gradient.
@@ -146,6 +172,12 @@ class EscapeWatch(TorchFunctionMode):
             yield
         finally:
             self.noting = False
+
+    @contextlib.contextmanager
+    def watching_calls(self, differentiated: Sequence[torch.Tensor]) -> Iterator[None]:
+        """`watching`, this watch itself noting each call (no guard runs there, rule 6)."""
+        with self.watching(differentiated), self:
+            yield
 
     def taint(self, tensors: Sequence[Any]) -> None:
         self.tainted.update(id(t) for t in tensors if isinstance(t, torch.Tensor))
@@ -167,6 +199,19 @@ class EscapeWatch(TorchFunctionMode):
             return
         index = self.count
         self.count += 1
+        # Our reads (``is_floating_point``) are torch calls: modes below must not number them.
+        with internal():
+            self._note(index, func, args, kwargs, arg_leaves, leaves)
+
+    def _note(
+        self,
+        index: int,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        arg_leaves: list[Any],
+        leaves: list[Any],
+    ) -> None:
         name = _name(func)
         if name in _DETACHING or (self.grad_mode_counts and not torch.is_grad_enabled()):
             return
@@ -227,10 +272,17 @@ class EscapeWatch(TorchFunctionMode):
             t.detach() if id(t) in escaped or (t._is_view() and id(t._base) in escaped) else t
             for t in out
         )
-        extras = tuple(
-            _below_dead_levels(e.target).detach() for e in self.found if e.target is not None
-        )
-        return out, extras
+        extras = []
+        for escape in self.found:
+            assert escape.target is not None, "this is a bug in remat, please report it"
+            value = _below_dead_levels(escape.target)
+            if value is None:
+                raise self._error(
+                    escape, "it was made inside a vmap that ended within the region "
+                    "(another region's, or the function's own), where it cannot be handed back"
+                )
+            extras.append(value.detach())
+        return out, tuple(extras)
 
     def adopt(self, outputs: list[torch.Tensor]) -> None:
         """After ``apply``: give each escaped Python object its differentiable output (rule 4).
@@ -270,7 +322,15 @@ class EscapeWatch(TorchFunctionMode):
         missing = [e for e, t in zip(self.found, captured, strict=True) if t is None]
         if missing:
             raise self._error(missing[0], "the recompute did not make it again", diverged=True)
-        return (*out, *(t for t in captured if t is not None))
+        # ``run`` may end a level it captured under (a vmap twin's recompute runs
+        # ``vjp(fn)`` per example, rule 6): unwrap that level as ``vjp`` unwraps outputs.
+        values = []
+        for escape, t in zip(self.found, captured, strict=True):
+            value = _below_dead_levels(t) if t is not None else None
+            if value is None:
+                raise self._error(escape, "it was made inside a vmap that ended within the region")
+            values.append(value)
+        return (*out, *values)
 
     def _capture(self, index: int, func: Any, out: Any) -> None:
         assert self.wanted is not None, "this is a bug in remat, please report it"
@@ -292,6 +352,10 @@ class EscapeWatch(TorchFunctionMode):
                     diverged=True,
                 )
             self.captured[slot] = t
+
+    def error_for_first(self, reason: str) -> RematError:
+        """The error for the first escaped tensor found (`_error`)."""
+        return self._error(self.found[0], reason)
 
     def _error(self, escape: _Escape, reason: str, diverged: bool = False) -> RematError:
         """The error for an escape that cannot be handed back; ``diverged``: the
@@ -319,11 +383,17 @@ def _name(func: Any) -> str:
     return name if isinstance(name, str) else str(func)
 
 
-def _below_dead_levels(t: torch.Tensor) -> torch.Tensor:
-    """``t`` without the wrappers of levels that exited with the forward (its inner vjp)."""
+def _below_dead_levels(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` without the wrappers of levels that exited with the forward (its inner vjp).
+
+    None where one of them is a vmap's: below it the batch is a plain dimension,
+    and the value is no longer the tensor the user holds (a vmap inside ``fn``).
+    """
     while _functorch.is_functorch_wrapped_tensor(t):
         inner = _functorch.unwrap_if_dead(t)
         if inner is t:
             break
+        if _functorch.is_batchedtensor(t):
+            return None
         t = inner
     return t

@@ -108,7 +108,9 @@ NOTE [ The functional engine ]
    ``fn`` hands out other than through its return value (a hook appending to
    a list, an attribute, a global) becomes an extra output of the Function,
    swapped into the user's Python object after ``apply``; the recompute
-   captures it again by the number of the torch call that made it.
+   captures it again by the number of the torch call that made it. Under the
+   vmap rule (rule 10) it is found inside the vmapped run and leaves the twin as
+   an extra batched output (rule 6 there).
 """
 
 from __future__ import annotations
@@ -463,6 +465,9 @@ class _Call:
         twin.differentiable = twin.differentiable or self.differentiable
         # The original call's trace, inside ``runner``, checks every recompute.
         twin.trace = OpTrace(self.region.label, enabled=False)
+        # And its escape watch, inside ``runner``, finds what ``fn`` lets out (NOTE
+        # [ Escaped tensors ] rule 6): the twin's would see dead inner wrappers.
+        twin.escapes.enabled = False
         return twin
 
     def reversed_inside_vmap(self) -> bool:
@@ -647,13 +652,17 @@ class _VmapRunner:
         self.out_dims: tuple[int | None, ...] = ()
         call_inside = call.reversed_inside_vmap()
         self.run = call.run_as_differentiated if call_inside else call.run
+        #: The first run is the twin's forward; later ones are its recomputes.
+        self.first = True
+        #: Whether the region runs inside another region's run (a nested region).
+        self.nested = bool(local.substitutions)
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         flags: list[bool] = []
         unbatched: list[torch.Tensor] = []
 
         def per_example(*example: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            out = self.run(example)
+            out = self.run_with_escapes(example)
             level = _functorch.maybe_current_level()
             flags[:] = [_batched_at(t, level) for t in out]
             unbatched[:] = [t for t, b in zip(out, flags, strict=True) if not b]
@@ -667,6 +676,29 @@ class _VmapRunner:
         rest = iter(unbatched)
         self.out_dims = tuple(0 if b else None for b in flags)
         return tuple(next(batched) if b else next(rest) for b in flags)
+
+    def run_with_escapes(self, example: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """One example's outputs, then the tensors ``fn`` let out (NOTE [ Escaped
+        tensors ] rule 6): found in the forward, captured again in a recompute."""
+        escapes = self.call.escapes
+        if not self.first:
+            return escapes.run(lambda: self.run(example))
+        self.first = False
+        differentiated = self.call.differentiated
+        if not differentiated and not self.nested:
+            return self.run(example)
+        # Nested, a call no level differentiates may still be differentiated by the
+        # outer region's recompute: what it lets out, from any input, is loud then.
+        seeds = [example[i] for i in differentiated] if differentiated else example
+        with escapes.watching_calls(seeds):
+            out = self.run(example)
+        out, escaped = escapes.collect(out)
+        if escaped and not differentiated:
+            raise escapes.error_for_first(
+                "it was made inside its vmap, inside another rematerialized region's run, "
+                "where it cannot be handed back"
+            )
+        return (*out, *escaped)
 
 
 def _batched_at(t: torch.Tensor, level: int | None) -> bool:
