@@ -14,7 +14,9 @@ NOTE [ Recompute signatures ]
 3. torch.func engine: the forward's hidden-input guard (a `TorchFunctionMode`
    that sees every call anyway) records each Python-level torch call of ``fn``
    with the shapes and dtypes of its tensor arguments (`OpTrace`); a `TraceMode`
-   around ``fn`` in each recompute compares its calls with them. Python-level
+   around ``fn`` in each recompute finds its calls, in order, among them (the
+   forward may run more: code guarded by ``not remat.is_recomputing()``; a
+   call the forward did not make from there on is a mismatch). Python-level
    calls, not aten ops: the plain forward (no ``vjp`` under ``nothing-saveable``)
    and the recompute (under ``vjp``) decompose composite ops differently, but
    call the same functions on the same logical shapes.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -140,13 +143,21 @@ class OpTrace:
         self.enabled = enabled
         self.calls: list[Call] = []
         self.recorded = False
+        #: While recording: which call made each tensor (by id, with a weak reference
+        #: so that a reused id is not taken for its dead tensor's maker).
+        self.makers = _Makers()
+        #: After the forward: the call that made each output tensor (None: not a call's).
+        self.output_calls: list[int | None] | None = None
+        #: The recompute's `TraceMode` of the latest run.
+        self.checking: TraceMode | None = None
 
     def watching(self) -> contextlib.AbstractContextManager[Any]:
         """Around one run of ``fn``: record it (the first run) or check it against the record."""
         if not self.enabled:
             return contextlib.nullcontext()
         if self.recorded:
-            return TraceMode(self)
+            self.checking = TraceMode(self)
+            return self.checking
         return self._recording()
 
     @contextlib.contextmanager
@@ -158,8 +169,11 @@ class OpTrace:
             _local.stack.pop()
         self.recorded = True
 
-    def offer(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> None:
+    def offer(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> OpTrace | None:
         """A call the guard saw: recorded by the innermost trace recording a run of ``fn``.
+
+        Returns the trace that recorded it (the guard reports what the call made to
+        it, `made`), or None.
 
         That is this call's, or, under the vmap rule, the original call's: the twin
         whose guard sees the call runs the original's ``fn`` per example (NOTE [ The
@@ -168,6 +182,39 @@ class OpTrace:
         top = _local.stack[-1] if _local.stack else None
         if isinstance(top, OpTrace) and not state.internal_depth:
             top.calls.append((func, arg_shapes(args, kwargs)))
+            return top
+        return None
+
+    def made(self, leaves: Sequence[Any]) -> None:
+        """The tensors the call just offered made (the guard calls this after it ran)."""
+        self.makers.note(leaves, len(self.calls) - 1)
+
+    def outputs(self, out: Sequence[Any]) -> None:
+        """After a run of ``fn``: note (forward) or check (recompute) who made its outputs.
+
+        The recompute's calls may skip some of the forward's (NOTE rule 3); an
+        output made by a call other than the forward's (an op dropped at the end,
+        a flag that skips it) is a mismatch all the same.
+        """
+        if not self.enabled:
+            return
+        if self.output_calls is None:
+            self.output_calls = [self.makers.of(t) for t in out]
+            self.makers = _Makers()
+            return
+        mode, self.checking = self.checking, None
+        if mode is None:
+            return
+        for position, (then, now) in enumerate(
+            zip(self.output_calls, (mode.makers.of(t) for t in out), strict=False)
+        ):
+            if then != now:
+                raise divergence(
+                    self.label,
+                    f"its output #{position} was made by "
+                    f"{_describe_made(self.calls, then)} in the forward and by "
+                    f"{_describe_made(self.calls, now)} in the recompute",
+                )
 
     def note(self, call: Call) -> None:
         self.calls.append(call)
@@ -180,6 +227,8 @@ class TraceMode(TorchFunctionMode):
         super().__init__()
         self.trace = trace
         self.index = 0
+        #: The forward call each recompute call matched, for what it made.
+        self.makers = _Makers()
 
     def __enter__(self) -> TraceMode:
         super().__enter__()  # type: ignore[no-untyped-call]
@@ -189,28 +238,33 @@ class TraceMode(TorchFunctionMode):
     def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
         _local.stack.pop()
         super().__exit__(kind, value, tb)  # type: ignore[no-untyped-call]
-        if kind is None and self.index != len(self.trace.calls):
-            raise self.mismatch(None)
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         # Not inside an inner region, nor remat's own work (the state guard's snapshots).
-        if _local.stack and _local.stack[-1] is self and not state.internal_depth:
-            # Reading shapes is a torch call (a property) that modes below must not number.
-            state.internal_depth += 1
-            try:
-                call = (func, arg_shapes(args, kwargs))
-            finally:
-                state.internal_depth -= 1
-            self.note(call)
-        return func(*args, **(kwargs or {}))
+        if not (_local.stack and _local.stack[-1] is self and not state.internal_depth):
+            return func(*args, **(kwargs or {}))
+        # Reading shapes is a torch call (a property) that modes below must not number.
+        state.internal_depth += 1
+        try:
+            call = (func, arg_shapes(args, kwargs))
+        finally:
+            state.internal_depth -= 1
+        self.note(call)
+        out = func(*args, **(kwargs or {}))
+        self.makers.note(optree.tree_leaves(out, none_is_leaf=False), self.index - 1)
+        return out
 
     def note(self, call: Call) -> None:
+        # The recompute's calls, in order, among the forward's: the forward may run
+        # more (code under ``if not remat.is_recomputing()``), never others.
         calls = self.trace.calls
-        if self.index >= len(calls) or calls[self.index] != call:
-            raise self.mismatch(call)
-        self.index += 1
+        for j in range(self.index, len(calls)):
+            if calls[j] == call:
+                self.index = j + 1
+                return
+        raise self.mismatch(call)
 
     def mismatch(self, call: Call | None) -> NondeterministicRecomputeError:
         calls = self.trace.calls
@@ -220,6 +274,28 @@ class TraceMode(TorchFunctionMode):
             f"{_describe_call(call)} in the recompute"
         )
         return divergence(self.trace.label, what)
+
+
+class _Makers:
+    """Which traced call made each tensor: id -> (weak reference, call index)."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+
+    def note(self, leaves: Sequence[Any], index: int) -> None:
+        for t in leaves:
+            if isinstance(t, torch.Tensor):
+                self.by_id[id(t)] = (weakref.ref(t), index)
+
+    def of(self, t: Any) -> int | None:
+        entry = self.by_id.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+
+def _describe_made(calls: Sequence[Call], index: int | None) -> str:
+    if index is None:
+        return "no call of the function (an input, or a tensor made by another region)"
+    return f"call #{index} ({_describe_call(calls[index])})"
 
 
 @contextlib.contextmanager

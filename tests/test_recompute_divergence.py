@@ -326,3 +326,27 @@ def test_another_output_structure_is_right_or_raises_and_an_argument_fixes(
         assert "static_argnums/static_argnames" in message
     fixed = engine.remat(pair_or_single, static_argnames=("pair",))
     _assert_close(engine.grads(program_of(fixed, pass_flag=True), x, w), expected)  # type: ignore[arg-type]
+
+
+# -- code the forward runs alone, under ``not remat.is_recomputing()`` -----------
+
+_LOG: list[torch.Tensor] = []
+
+
+def logging_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x @ w)
+    if not remat.is_recomputing():  # as the docs recommend for side effects
+        _LOG.append((h * 2).detach().sum())
+    return h.sin()
+
+
+# Policies that record ops replay them in order: there the torch.func engine (which
+# recomputes the whole function) still calls such a skipped op a divergence.
+@pytest.mark.parametrize("policy", ("nothing-saveable",))
+def test_forward_only_side_effects_are_no_divergence(engine: Engine, policy: str) -> None:
+    x, w = _inputs()
+    expected = _reference(lambda x, w: logging_block(x, w).pow(2).sum(), x, w)
+    block = engine.remat(logging_block, policy=policy)
+    _LOG.clear()
+    _assert_close(engine.grads(lambda x, w: block(x, w).pow(2).sum(), x, w), expected)  # type: ignore[operator]
+    assert len(_LOG) == 1  # the forward logged once; the recompute skipped it

@@ -313,6 +313,9 @@ class _Call:
             self.reads = substitution.reads
             self.bindings.note_versions(substitution.used)
         out_leaves, out_treedef = flatten_region_io(out)
+        # Who made each output, in the forward and in each recompute (NOTE [ Recompute
+        # signatures ] rule 3).
+        self.trace.outputs([x for x in out_leaves if isinstance(x, torch.Tensor)])
         # ``fn`` may return a tensor it reached (``return self.w``): the Function's view.
         out_leaves = [
             table.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in out_leaves
@@ -1001,7 +1004,7 @@ class _HiddenInputGuard:
         its ``autograd.grad`` targets are checked, and its outputs are noted for
         escapes (NOTE [ Escaped tensors ]).
         """
-        self.call.trace.offer(func, args, kwargs)
+        recording = self.call.trace.offer(func, args, kwargs)
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and id(leaf) not in self.known:
                 self.check(leaf, func)
@@ -1020,6 +1023,8 @@ class _HiddenInputGuard:
             self.check_grad_result(targets, out)
         out_leaves: list[Any] = optree.tree_leaves(out, none_is_leaf=True)
         self.know(out_leaves)
+        if recording is not None:
+            recording.made(out_leaves)
         self.call.escapes.note(func, args, kwargs, leaves, out_leaves)
         return out
 
