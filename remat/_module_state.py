@@ -319,10 +319,14 @@ def _closure_cells(fn: Any) -> list[types.CellType]:
     if not isinstance(fn, types.FunctionType):
         return []
     cells = list(fn.__closure__ or ())
+    known = {id(c) for c in cells}  # by identity: cells compare by their contents
     for cell in list(cells):
         inner = cell.cell_contents if _bound(cell) else None
         if isinstance(inner, types.FunctionType):
-            cells.extend(c for c in inner.__closure__ or () if c not in cells)
+            for c in inner.__closure__ or ():
+                if id(c) not in known:
+                    known.add(id(c))
+                    cells.append(c)
     return cells
 
 

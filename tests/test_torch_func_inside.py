@@ -177,7 +177,14 @@ def test_under_torch_func_grad_too() -> None:
     _assert_close(found, expected)
 
 
-def test_wrapped_module_switches_once() -> None:
+def test_wrapped_module_switches_once_and_a_parameter_into_the_transform_is_loud() -> None:
+    """A module's own parameter handed to the inner transform cannot be substituted.
+
+    ``torch.func.grad(energy)(scaled, self.w)`` wraps ``self.w`` itself, so the
+    torch.func engine cannot give that transform its view of the parameter:
+    remat raises, and the fix it names (pass the tensor as an argument) works.
+    """
+
     class Field(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -190,23 +197,38 @@ def test_wrapped_module_switches_once() -> None:
     pos = torch.randn(5, 3, requires_grad=True)
     expected = torch.autograd.grad(model(pos), (pos, model.w))
     remat.wrap(model, policy="dots-saveable")
-    for _ in range(2):
-        _assert_close(torch.autograd.grad(model(pos), (pos, model.w)), expected)
+    with pytest.raises(remat.RematError, match="as an argument"):
+        model(pos)
+    region = remat.remat(forces_loss, policy="dots-saveable")  # the fix: w is an argument
+    for _ in range(2):  # the second call goes to the torch.func engine directly
+        _assert_close(torch.autograd.grad(region(pos, model.w), (pos, model.w)), expected)
 
 
-def test_sequential_segments_switch() -> None:
-    """remat.sequential segments (one label for all) running torch.func inside."""
+def test_sequential_segments_with_a_closed_over_weight_into_the_transform_are_loud() -> None:
+    """remat.sequential segments (one label for all) running torch.func inside.
+
+    The layers close over ``w`` and hand it to ``torch.func.grad``: refused (as for
+    a module's parameter above); the fix, ``w`` as an argument of each region, works.
+    """
     w = torch.randn(3, 3, requires_grad=True)
 
     def step(pos: torch.Tensor) -> torch.Tensor:
         return pos - 0.1 * torch.func.grad(energy)(pos, w)
 
+    def step_of(pos: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return pos - 0.1 * torch.func.grad(energy)(pos, w)
+
     pos = torch.randn(5, 3, requires_grad=True)
-    layers = [step, step, step, step]
     out = pos
-    for layer in layers:
-        out = layer(out)
+    for _ in range(4):
+        out = step(out)
     expected = torch.autograd.grad((out**2).sum(), (pos, w))
     for policy in ("save-last", "nothing-saveable", "dots-saveable"):
-        y = remat.sequential(layers, pos, segments=2, policy=policy)
+        with pytest.raises(remat.RematError, match="as an argument"):
+            y = remat.sequential([step] * 4, pos, segments=2, policy=policy)
+            torch.autograd.grad((y**2).sum(), (pos, w))
+        region = remat.remat(step_of, policy=policy)
+        y = pos
+        for _ in range(4):
+            y = region(y, w)
         _assert_close(torch.autograd.grad((y**2).sum(), (pos, w)), expected)

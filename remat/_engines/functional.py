@@ -186,6 +186,26 @@ def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
     return call.unflatten_output(flat_out)
 
 
+def _handed_over(x: Any) -> bool:
+    """Whether an argument is handed to ``fn`` as the Function's view (NOTE rule 2).
+
+    A tensor, or a plain tuple holding tensors (``remat.sequential``'s activations):
+    a tuple cannot be mutated, so rebuilding it loses no side effect. Lists, dicts
+    and objects stay the user's own, and op substitution covers their tensors.
+    """
+    if isinstance(x, torch.Tensor):
+        return True
+    return type(x) is tuple and any(_handed_over(v) for v in x)
+
+
+def _with_views(x: Any, table: dict[int, torch.Tensor]) -> Any:
+    if isinstance(x, torch.Tensor):
+        return table.get(id(x), x)
+    if type(x) is tuple:
+        return tuple(_with_views(v, table) for v in x)
+    return x
+
+
 def _argument_objects(leaves: Sequence[Any], label: str) -> list[tuple[Any, str]]:
     """Argument leaves that are objects no flattening sees into (NOTE rule 2)."""
     return [
@@ -258,12 +278,8 @@ class _Call:
         #: Per op of the first run (the forward): which leaves were which input.
         self.reads: list[tuple[Any, tuple[tuple[int, int], ...]]] | None = None
         #: Positions of the arguments (and keyword names) that are tensors themselves.
-        self.tensor_args = [
-            (i, x) for i, x in enumerate(args) if isinstance(x, torch.Tensor)
-        ]
-        self.tensor_kwargs = [
-            (k, x) for k, x in kwargs.items() if isinstance(x, torch.Tensor)
-        ]
+        self.tensor_args = [(i, x) for i, x in enumerate(args) if _handed_over(x)]
+        self.tensor_kwargs = [(k, x) for k, x in kwargs.items() if _handed_over(x)]
         #: Inputs the backward will differentiate (NOTE rule 7).
         self.differentiated = [i for i, t in enumerate(self.inputs) if _tracked(t)]
         #: Whether a backward will come (of this call, or of the call a vmap twin is for).
@@ -407,7 +423,7 @@ class _Call:
     def kwargs_with(self, table: dict[int, torch.Tensor]) -> dict[str, Any]:
         if not self.tensor_kwargs:
             return self.kwargs
-        return {**self.kwargs, **{k: table.get(id(x), x) for k, x in self.tensor_kwargs}}
+        return {**self.kwargs, **{k: _with_views(x, table) for k, x in self.tensor_kwargs}}
 
     def partial(
         self, inputs: Sequence[torch.Tensor], moving: Sequence[int], outputs: Sequence[int]
@@ -895,6 +911,26 @@ class _Substitution(TorchFunctionMode):
         #: Forward: ids of the tensors ``fn`` reached that some op got (version-checked).
         self.used: set[int] = set()
         self.watched = call.reached if call.reads is None else {}
+        self.call = call
+        self.view_ids = {id(t) for t in table.values()}
+
+    def lifted(self, leaf: torch.Tensor) -> None:
+        """Refuse a tensor ``fn`` reached that a transform inside ``fn`` wrapped itself.
+
+        ``torch.func.grad(g)(x, self.w)`` wraps every argument at its level, ``self.w``
+        too: no op sees ``self.w`` itself, so no op can be given the Function's view
+        of it, and whether that transform differentiates it cannot be told reliably
+        from inside the forward (its levels are renumbered there). Substituting the
+        view would drop that transform's derivative silently; keeping the original
+        would drop the region's: `unsubstituted_error` says to pass it as an argument.
+        """
+        t = leaf
+        while _functorch.is_functorch_wrapped_tensor(t):
+            if id(t) in self.view_ids:
+                return  # a view the engine handed over (or a wrapper of one)
+            t = _functorch.get_unwrapped(t)
+            if id(t) in self.table:
+                raise self.call.unsubstituted_error()
 
     def __enter__(self) -> _Substitution:
         super().__enter__()  # type: ignore[no-untyped-call]
@@ -928,6 +964,8 @@ class _Substitution(TorchFunctionMode):
             if id(leaf) in self.watched:
                 self.used.add(id(leaf))
             new = self.table.get(id(leaf))
+            if new is None and _functorch.is_functorch_wrapped_tensor(leaf):
+                self.lifted(leaf)
             if new is None and expected:
                 i = expected.get(j)
                 new = None if i is None or leaf is self.tensors[i] else self.tensors[i]
