@@ -52,6 +52,7 @@ __all__ = [
     "arg_shapes",
     "divergence",
     "inner_region",
+    "same_signature",
     "saved_signature",
 ]
 
@@ -96,6 +97,26 @@ def saved_signature(t: torch.Tensor, is_input: bool) -> SavedSignature:
     if getattr(t, STANDS_FOR_LEAF, False):
         made_by = type(None)
     return (t.shape, t.dtype, t.device, made_by)
+
+
+def same_signature(expected: SavedSignature | None, seen: SavedSignature) -> bool:
+    """Whether a recompute's saved tensor matches the forward's (NOTE rule 2).
+
+    A producer that is a custom ``autograd.Function`` on one side only is no
+    difference: hooks insert identity Functions in the forward alone (FSDP2's
+    ``RegisterPostBackwardFunction`` on a unit's inputs), and the values are the
+    same; shape, dtype and device must still match.
+    """
+    if expected is None or expected == seen:
+        return expected == seen
+    if expected[:3] != seen[:3]:
+        return False
+    return _custom(expected[3]) or _custom(seen[3])
+
+
+def _custom(made_by: Any) -> bool:
+    custom = torch.autograd.function.BackwardCFunction
+    return isinstance(made_by, type) and issubclass(made_by, custom)
 
 
 def describe_saved(signature: SavedSignature | None) -> str:
