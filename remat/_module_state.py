@@ -284,7 +284,7 @@ class _Accumulations:
     """
 
     def __init__(self) -> None:
-        self.thread = threading.get_ident()
+        self.thread = local.thread_token
         self.handles: list[Any] = []
         self.hit: dict[int, tuple[torch.Tensor, bool]] = {}
         self.ids: set[int] = set()
@@ -296,7 +296,7 @@ class _Accumulations:
         started_empty = t.grad is None
 
         def accumulated(leaf: torch.Tensor) -> None:
-            if threading.get_ident() == self.thread:
+            if local.thread_token is self.thread:
                 self.hit.setdefault(id(leaf), (leaf, started_empty))
 
         self.handles.append(t.register_post_accumulate_grad_hook(accumulated))

@@ -26,6 +26,9 @@ class _Local(threading.local):
         #: How many of remat's own blocks of tensor work (snapshots, copies) are running
         #: inside a user function: calls made there are not the function's (`internal`).
         self.internal_depth = 0
+        #: This thread's identity, for hooks that may run on another thread (a plain
+        #: object, not ``threading.get_ident()``: Dynamo traces attribute reads).
+        self.thread_token = object()
         #: The torch.func engine's op substitutions running on this thread, innermost
         #: last (`functional._Substitution`). While one runs, that engine maps the
         #: tensors ``fn`` reads (module slots included) itself, writing no slot.

@@ -913,6 +913,14 @@ class _Substitution(TorchFunctionMode):
         self.watched = call.reached if call.reads is None else {}
         self.call = call
         self.view_ids = {id(t) for t in table.values()}
+        #: How many transforms are live where ``fn`` starts: more, and ``fn`` runs one.
+        self.depth = len(retrieve_all_functorch_interpreters())
+
+    def inner_transform(self, leaf: torch.Tensor) -> bool:
+        """Whether ``leaf`` is a wrapper made by a transform ``fn`` runs itself."""
+        return bool(_functorch.is_functorch_wrapped_tensor(leaf)) and (
+            len(retrieve_all_functorch_interpreters()) > self.depth
+        )
 
     def lifted(self, leaf: torch.Tensor) -> None:
         """Refuse a tensor ``fn`` reached that a transform inside ``fn`` wrapped itself.
@@ -964,7 +972,7 @@ class _Substitution(TorchFunctionMode):
             if id(leaf) in self.watched:
                 self.used.add(id(leaf))
             new = self.table.get(id(leaf))
-            if new is None and _functorch.is_functorch_wrapped_tensor(leaf):
+            if new is None and self.inner_transform(leaf):
                 self.lifted(leaf)
             if new is None and expected:
                 i = expected.get(j)
