@@ -91,9 +91,18 @@ SavedSignature = tuple[torch.Size, torch.dtype, torch.device, Any]
 STANDS_FOR_LEAF = "_remat_stands_for_leaf"
 
 
+#: Nodes of reshapes that autograd picks between by strides, not by what the code
+#: does (``reshape`` records a view or an alias): the same values either way.
+_RESHAPES = frozenset({
+    "ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "AsStridedBackward0",
+})
+
+
 def saved_signature(t: torch.Tensor, is_input: bool) -> SavedSignature:
     """The signature of a tensor autograd saves; ``is_input``: a region input."""
     made_by: Any = "input" if is_input else type(t.grad_fn)
+    if getattr(made_by, "__name__", None) in _RESHAPES:
+        made_by = "a reshape"
     if getattr(t, STANDS_FOR_LEAF, False):
         made_by = type(None)
     return (t.shape, t.dtype, t.device, made_by)
