@@ -103,7 +103,9 @@ def run(width: int, depth: int, batch: int, seq: int, heads: int,
     torch.manual_seed(0)
     stack = demo.Stack(depth=depth, width=width, heads=heads)
     x = demo.make_input(stack, batch=batch, seq=seq)
-    costs = {(e, p): check_cost(stack, x, e, p, repeats) for e in STEPS for p in POLICIES} if repeats else {}
+    costs = {
+        (e, p): check_cost(stack, x, e, p, repeats) for e in STEPS for p in POLICIES if repeats
+    }
     peaks = {(e, p): peak_bytes(stack, x, e, p) for e in STEPS for p in (None, *POLICIES)}
     return {"costs": costs, "peaks": peaks}
 
