@@ -18,7 +18,7 @@ from ._lowering import contexts_for, lowers, run_lowered
 from ._offload import HostStore
 from ._pytree import tensor_leaves
 from ._region import Region, describe_callable
-from ._signature import inner_region
+from ._signature import inner_region, refuse_growing_cache
 from ._state import local
 from .policies import PolicyLike
 
@@ -275,6 +275,8 @@ def _call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) 
                 f"remat.remat: static_argnums contains {i}, but {region.label} was called "
                 f"with {len(args)} positional arguments"
             )
+    if torch.is_grad_enabled() and not region.policy.keeps_everything:
+        refuse_growing_cache(region.label, args, kwargs)  # nothing to recompute otherwise
     # Inside another region's traced run, one entry there whatever the engine (the
     # engine may differ between forward and recompute): NOTE [ Recompute signatures ].
     with inner_region(region.label, (args, kwargs)):

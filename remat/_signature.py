@@ -51,6 +51,7 @@ __all__ = [
     "OpTrace",
     "arg_shapes",
     "divergence",
+    "refuse_growing_cache",
     "inner_region",
     "same_signature",
     "saved_signature",
@@ -68,6 +69,42 @@ CURES = (
     "it only after backward. (3) Or use policy='everything-saveable' for this region "
     "(nothing is recomputed; memory as without remat)."
 )
+
+
+#: Hugging Face caches that grow by appending (``torch.cat``) in each forward.
+_GROWING_CACHES = frozenset({"DynamicCache", "EncoderDecoderCache"})
+
+
+#: Per argument type, whether it is such a cache (the check runs on every call).
+_grows_by_type: dict[type, bool] = {}
+
+
+def _grows(kind: type) -> bool:
+    found = _grows_by_type.get(kind)
+    if found is None:
+        found = _grows_by_type[kind] = any(
+            c.__name__ in _GROWING_CACHES and c.__module__.startswith("transformers")
+            for c in kind.__mro__
+        )
+    return found
+
+
+def refuse_growing_cache(label: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise when a recomputed region is handed a cache its forward appends to.
+
+    A Hugging Face ``DynamicCache`` passed to a layer (``use_cache=True`` in
+    training) is appended to in the forward and again in the recompute: the cache
+    ends up with every entry twice, and under the torch.func engine the recompute
+    reads the forward's entries too. Found by type, at the call, in both engines.
+    """
+    for value in (*args, *kwargs.values()):
+        if _grows(type(value)):
+            raise divergence(
+                label,
+                f"it is given a Hugging Face {type(value).__name__} that its forward "
+                "appends to, and its recompute would append again (the KV cache of "
+                "use_cache=True)",
+            )
 
 
 def divergence(label: str, what: str) -> NondeterministicRecomputeError:

@@ -371,16 +371,7 @@ def test_hidden_states_in_the_loss(model: str, way: str) -> None:
     _assert_same(run, reference)
 
 
-KV_CACHE = (
-    "use_cache=True: the recompute appends to the DynamicCache again (eager: length 16 "
-    "after backward instead of 8; torch.func: wrong gradients), silently"
-)
-
-
-@pytest.mark.parametrize(
-    "way", [pytest.param("eager", marks=pytest.mark.xfail(strict=True, reason=KV_CACHE)),
-            "functional"]
-)
+@pytest.mark.parametrize("way", sorted(WAYS))
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_kv_cache_in_a_region_is_loud(model: str, way: str) -> None:
     """A layer that writes a KV cache raises, names the layer and says to pass use_cache=False."""
