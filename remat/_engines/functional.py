@@ -916,12 +916,6 @@ class _Substitution(TorchFunctionMode):
         #: How many transforms are live where ``fn`` starts: more, and ``fn`` runs one.
         self.depth = len(retrieve_all_functorch_interpreters())
 
-    def inner_transform(self, leaf: torch.Tensor) -> bool:
-        """Whether ``leaf`` is a wrapper made by a transform ``fn`` runs itself."""
-        return bool(_functorch.is_functorch_wrapped_tensor(leaf)) and (
-            len(retrieve_all_functorch_interpreters()) > self.depth
-        )
-
     def lifted(self, leaf: torch.Tensor) -> None:
         """Refuse a tensor ``fn`` reached that a transform inside ``fn`` wrapped itself.
 
@@ -966,14 +960,18 @@ class _Substitution(TorchFunctionMode):
         expected = None if ours else self._expected(func)
         uses: list[tuple[int, int]] = []
         changed = False
+        inner: bool | None = None  # whether a transform ``fn`` runs itself is live
         for j, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor):
                 continue
             if id(leaf) in self.watched:
                 self.used.add(id(leaf))
             new = self.table.get(id(leaf))
-            if new is None and self.inner_transform(leaf):
-                self.lifted(leaf)
+            if new is None and _functorch.is_functorch_wrapped_tensor(leaf):
+                if inner is None:  # once per call, and only for a wrapped leaf not mapped
+                    inner = len(retrieve_all_functorch_interpreters()) > self.depth
+                if inner:
+                    self.lifted(leaf)
             if new is None and expected:
                 i = expected.get(j)
                 new = None if i is None or leaf is self.tensors[i] else self.tensors[i]
