@@ -68,7 +68,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._errors import NondeterministicRecomputeError, RematError
 from .._signature import CURES
-from .._state import internal, local
+from .._state import local
 
 __all__ = ["EscapeWatch"]
 
@@ -199,9 +199,13 @@ class EscapeWatch(TorchFunctionMode):
             return
         index = self.count
         self.count += 1
-        # Our reads (``is_floating_point``) are torch calls: modes below must not number them.
-        with internal():
+        # Our reads (``is_floating_point``) are torch calls: modes below must not number
+        # them (`internal`, inlined: this runs on every call of the forward).
+        local.internal_depth += 1
+        try:
             self._note(index, func, args, kwargs, arg_leaves, leaves)
+        finally:
+            local.internal_depth -= 1
 
     def _note(
         self,
