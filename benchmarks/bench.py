@@ -48,9 +48,11 @@ import torch.utils.checkpoint as tuc
 from remat import MemoryReport
 from remat import _demo_model as demo
 from remat import measure_memory as measure_step
-from remat._cuda_store import CudaHostStore
-from remat._memory import MemoryMeter
-from remat._offload import FakeHostStore, HostStore, use_host_store
+from remat._inspect.memory import MemoryMeter
+from remat._offload.cuda import CudaHostStore
+from remat._offload.fake import FakeHostStore
+from remat._offload.selection import use_host_store
+from remat._offload.store import HostStore
 
 REMAT_POLICIES = (
     "nothing-saveable",

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 import remat
 from remat import _demo_model as demo
-from remat._memory import MemoryMeter
+from remat._inspect.memory import MemoryMeter
 
 POLICIES = ("nothing-saveable", "dots-saveable")
 

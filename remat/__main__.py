@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _demo_model as demo
-from ._memory import ComputeOpCounter, measure_memory
+from ._inspect.memory import ComputeOpCounter, measure_memory
 
 __all__ = ["VARIANTS", "Row", "format_table", "main"]
 

@@ -12,13 +12,13 @@ import torch
 
 from . import policies
 from ._compile import uncompiled
-from ._engines.hooks import TorchFuncInsideError, run_eager
+from ._engines.eager import TorchFuncInsideError, run_eager
+from ._engines.lowered import contexts_for, lowers, run_lowered
+from ._engines.region import Region, describe_callable
 from ._errors import RematError
-from ._lowering import contexts_for, lowers, run_lowered
-from ._offload import HostStore
+from ._offload.store import HostStore
 from ._pytree import tensor_leaves
-from ._region import Region, describe_callable
-from ._signature import inner_region, refuse_growing_cache
+from ._replay.checks import inner_region, refuse_growing_cache
 from ._state import local
 from .policies import PolicyLike
 
@@ -260,7 +260,7 @@ def call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     """Run one call of ``region`` on the engine it asks for (or the one the context needs).
 
     Traced by ``torch.compile``, the call is lowered into the compiled graph
-    when it can be (``_lowering.py``) and is a graph break otherwise.
+    when it can be (``_engines/lowered.py``) and is a graph break otherwise.
     """
     if lowers(region):
         eager = functools.partial(uncompiled, _call_region, region)
@@ -402,7 +402,7 @@ def checkpoint_name(x: T, name: str) -> T:
     if not isinstance(name, str):
         raise TypeError(f"remat.checkpoint_name: name must be a str, got {name!r}")
     if torch.compiler.is_compiling():
-        return x  # name policies are not lowered: they run eagerly (see ``_lowering.py``)
+        return x  # name policies are not lowered: they run eagerly (see ``_engines/lowered.py``)
     if local.recorders:
         recorder = local.recorders[-1]
         for leaf in tensor_leaves(x):

@@ -11,7 +11,7 @@ hook live but no frame being traced (``torch.compile(torch.func.grad(f))``),
 where Dynamo would compile each frame the engine enters.
 
 Regions whose policy lowers to ``torch.utils.checkpoint`` are not engines'
-business under ``torch.compile``: see ``_lowering.py``.
+business under ``torch.compile``: see ``_engines/lowered.py``.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from . import _ops
 from ._api import checkpoint_name
 from ._api import remat as remat_fn
+from ._policy import ops as _ops
 
 __all__ = ["NO_REMAT", "TORCH_CHECKPOINT", "TORCH_SELECTIVE", "Block", "Stack", "make_input"]
 

@@ -11,12 +11,12 @@ NOTE [ Wrapped modules ]
    that call's autograd graph). A per-call `_Forward` also lets the
    ``torch.func`` engine find the module's parameters as ``functional_call``
    swapped them in (it exposes the module as an attribute, which
-   ``_closure.py`` walks).
+   ``_capture/closure.py`` walks).
 3. Module state: a `_Forward` (and a `sequential` segment) runs its modules
-   under a `StateGuard` (``_module_state.py``), so stateful modules
+   under a `StateGuard` (``_capture/module_state.py``), so stateful modules
    (BatchNorm) change their buffers once per real forward and recompute with
    the state the forward saw; so do buffers the forward writes, without
-   registration (NOTE [ State the forward changes ] in ``_module_state.py``).
+   registration (NOTE [ State the forward changes ] in ``_capture/module_state.py``).
    Python-level state (attributes, caches) is the user's to guard with
    `remat.is_recomputing`.
 4. Idempotent: wrapping a wrapped module replaces its policy and options (the
@@ -41,9 +41,9 @@ from torch import nn
 
 from . import policies
 from ._api import call_region, check_options, make_region, remat
+from ._capture.module_state import StateGuard
 from ._compile import uncompiled
-from ._lowering import lowers, run_lowered
-from ._module_state import StateGuard
+from ._engines.lowered import lowers, run_lowered
 from .policies import PolicyLike
 
 __all__ = [

@@ -29,41 +29,43 @@ NOTE [ Names override the op's decision ]
    the parts' decisions for the same name.
 """
 
-from ._policy_base import Decision as Decision
-from ._policy_base import Policy as Policy
-from ._policy_base import PolicyLike as PolicyLike
-from ._policy_jax import Dots as Dots
-from ._policy_jax import EverythingSaveable as EverythingSaveable
-from ._policy_jax import NothingSaveable as NothingSaveable
-from ._policy_jax import SaveAndOffloadOnlyTheseNames as SaveAndOffloadOnlyTheseNames
-from ._policy_jax import SaveAnyNamesButThese as SaveAnyNamesButThese
-from ._policy_jax import SaveAnythingExceptTheseNames as SaveAnythingExceptTheseNames
-from ._policy_jax import SaveFromBothPolicies as SaveFromBothPolicies
-from ._policy_jax import SaveLast as SaveLast
-from ._policy_jax import SaveOnlyTheseNames as SaveOnlyTheseNames
-from ._policy_jax import checkpoint_dots as checkpoint_dots
-from ._policy_jax import checkpoint_dots_with_no_batch_dims as checkpoint_dots_with_no_batch_dims
-from ._policy_jax import dots_saveable as dots_saveable
-from ._policy_jax import dots_with_no_batch_dims_saveable as dots_with_no_batch_dims_saveable
-from ._policy_jax import everything_saveable as everything_saveable
-from ._policy_jax import nothing_saveable as nothing_saveable
-from ._policy_jax import offload_dot_with_no_batch_dims as offload_dot_with_no_batch_dims
-from ._policy_jax import offload_dots as offload_dots
-from ._policy_jax import save_and_offload_only_these_names as save_and_offload_only_these_names
-from ._policy_jax import save_any_names_but_these as save_any_names_but_these
-from ._policy_jax import save_anything_except_these_names as save_anything_except_these_names
-from ._policy_jax import save_from_both_policies as save_from_both_policies
-from ._policy_jax import save_last as save_last
-from ._policy_jax import save_only_these_names as save_only_these_names
-from ._policy_ops import FromCallable as FromCallable
-from ._policy_ops import FromSelectiveCheckpoint as FromSelectiveCheckpoint
-from ._policy_ops import SaveTheseOps as SaveTheseOps
-from ._policy_ops import from_callable as from_callable
-from ._policy_ops import from_selective_checkpoint as from_selective_checkpoint
-from ._policy_ops import save_these_ops as save_these_ops
-from ._policy_strings import names as names
-from ._policy_strings import register as register
-from ._policy_strings import resolve as resolve
+from ._policy.adapters import FromCallable as FromCallable
+from ._policy.adapters import FromSelectiveCheckpoint as FromSelectiveCheckpoint
+from ._policy.adapters import SaveTheseOps as SaveTheseOps
+from ._policy.adapters import from_callable as from_callable
+from ._policy.adapters import from_selective_checkpoint as from_selective_checkpoint
+from ._policy.adapters import save_these_ops as save_these_ops
+from ._policy.base import Decision as Decision
+from ._policy.base import Policy as Policy
+from ._policy.base import PolicyLike as PolicyLike
+from ._policy.library import Dots as Dots
+from ._policy.library import EverythingSaveable as EverythingSaveable
+from ._policy.library import NothingSaveable as NothingSaveable
+from ._policy.library import SaveAndOffloadOnlyTheseNames as SaveAndOffloadOnlyTheseNames
+from ._policy.library import SaveAnyNamesButThese as SaveAnyNamesButThese
+from ._policy.library import SaveAnythingExceptTheseNames as SaveAnythingExceptTheseNames
+from ._policy.library import SaveFromBothPolicies as SaveFromBothPolicies
+from ._policy.library import SaveLast as SaveLast
+from ._policy.library import SaveOnlyTheseNames as SaveOnlyTheseNames
+from ._policy.library import checkpoint_dots as checkpoint_dots
+from ._policy.library import (
+    checkpoint_dots_with_no_batch_dims as checkpoint_dots_with_no_batch_dims,
+)
+from ._policy.library import dots_saveable as dots_saveable
+from ._policy.library import dots_with_no_batch_dims_saveable as dots_with_no_batch_dims_saveable
+from ._policy.library import everything_saveable as everything_saveable
+from ._policy.library import nothing_saveable as nothing_saveable
+from ._policy.library import offload_dot_with_no_batch_dims as offload_dot_with_no_batch_dims
+from ._policy.library import offload_dots as offload_dots
+from ._policy.library import save_and_offload_only_these_names as save_and_offload_only_these_names
+from ._policy.library import save_any_names_but_these as save_any_names_but_these
+from ._policy.library import save_anything_except_these_names as save_anything_except_these_names
+from ._policy.library import save_from_both_policies as save_from_both_policies
+from ._policy.library import save_last as save_last
+from ._policy.library import save_only_these_names as save_only_these_names
+from ._policy.strings import names as names
+from ._policy.strings import register as register
+from ._policy.strings import resolve as resolve
 
 __all__ = [
     "PolicyLike",

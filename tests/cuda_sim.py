@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from remat._cuda_store import CudaHostStore
+from remat._offload.cuda import CudaHostStore
 
 
 class SimulatedFault(AssertionError):

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import remat
-from remat._offload import FakeHostStore, use_host_store
+from remat._offload.fake import FakeHostStore
+from remat._offload.selection import use_host_store
 from remat._state import local
 
 Fn = Callable[..., Any]

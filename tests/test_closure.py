@@ -11,7 +11,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import remat
-from remat._closure import find_closed_over
+from remat._capture.closure import find_closed_over
 
 X = torch.randn(3, 4, dtype=torch.float64)
 GLOBAL_W = torch.randn(4, 4, dtype=torch.float64)

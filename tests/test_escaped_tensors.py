@@ -4,7 +4,7 @@ A forward hook appending a submodule's output to a list (Hugging Face's
 ``output_router_logits`` / ``output_attentions`` capture), an attribute
 (``self.last = h``) and a global list: a loss term on such a tensor must get
 exactly the gradient it gets without remat, under both engines and every
-torch.func transform (NOTE [ Escaped tensors ] in ``remat/_engines/_escapes.py``).
+torch.func transform (NOTE [ Escaped tensors ] in ``remat/_remat/_engines/escapes.py``).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ region, a closed-over ``nonlocal`` counter, and an explicit ``torch.Generator``:
 after one step, each must be as it is after one step without remat, with the
 same gradients, in both engines and under several policies; where remat cannot
 restore the state, it raises `remat.RematError` naming the region, and the fix
-it names works (NOTE [ State the forward changes ] in ``_module_state.py``,
-NOTE [ Explicit generators ] in ``_rng.py``).
+it names works (NOTE [ State the forward changes ] in ``_capture/module_state.py``,
+NOTE [ Explicit generators ] in ``_replay/rng.py``).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class Big(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        size = remat._module_state.SNAPSHOT_BYTES // 8 + 1  # one double too many
+        size = remat._capture.module_state.SNAPSHOT_BYTES // 8 + 1  # one double too many
         self.register_buffer("acc", torch.zeros(size, dtype=torch.double))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, hessian, jacfwd, jacrev, vjp, vmap
 
 import remat
-from remat._offload import FakeHostStore
+from remat._offload.fake import FakeHostStore
 
 D = torch.float64
 

@@ -23,7 +23,7 @@ from helpers import OpCounter
 from torch import nn
 
 import remat
-from remat._memory import MemoryMeter
+from remat._inspect.memory import MemoryMeter
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: E402

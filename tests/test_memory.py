@@ -11,7 +11,7 @@ import torch
 import remat
 from remat import MemoryReport, measure_memory
 from remat import _demo_model as demo
-from remat._memory import MemoryMeter
+from remat._inspect.memory import MemoryMeter
 
 F32 = 4
 

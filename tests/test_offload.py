@@ -14,8 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import policies
-from remat._cuda_store import CudaHostStore
-from remat._offload import FakeHostStore, offload, use_host_store
+from remat._offload.cuda import CudaHostStore
+from remat._offload.fake import FakeHostStore
+from remat._offload.selection import use_host_store
+from remat._offload.store import offload
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -433,8 +435,8 @@ def test_cuda_no_nan_over_repeated_steps() -> None:
 
 
 def test_region_store_wins_over_context() -> None:
-    from remat._engines.hooks import run_eager
-    from remat._region import Region
+    from remat._engines.eager import run_eager
+    from remat._engines.region import Region
 
     own, ambient = FakeHostStore(), FakeHostStore()
     region = Region(fn=block, policy=policies.offload_dots, offload_store=own)

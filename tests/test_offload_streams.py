@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 from test_offload import block, make_inputs
 
 import remat
-from remat._cuda_store import CudaHostStore
-from remat._offload import offload, use_host_store
+from remat._offload.cuda import CudaHostStore
+from remat._offload.selection import use_host_store
+from remat._offload.store import offload
 
 SEEDS = range(12)
 

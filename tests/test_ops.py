@@ -1,4 +1,4 @@
-"""Tests for remat._ops: which aten ops count as dots, random ops, views, in-place ops."""
+"""Tests for remat._policy.ops: which aten ops count as dots, random ops, views, in-place ops."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat import _ops
+from remat._policy import ops as _ops
 
 aten = torch.ops.aten
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.checkpoint import CheckpointPolicy
 
-from remat import _policy_strings
 from remat import policies as P
+from remat._policy import strings as _policy_strings
 from remat.policies import Decision
 
 aten = torch.ops.aten

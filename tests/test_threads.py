@@ -19,7 +19,7 @@ from torch import nn
 from torch.func import grad
 
 import remat
-from remat import _module_state
+from remat._capture import module_state as _module_state
 
 D = torch.float64
 W = torch.randn(8, 8, dtype=D, requires_grad=True)  # read by both threads

@@ -13,7 +13,7 @@ NOTE [ The functional engine ]
    runs ``vmap(fn)`` on the physical batched tensors). It runs ``fn`` under `RecordMode` when
    the policy looks at ops, keeping the outputs it decides to save. `backward`
    is called by the level being differentiated, with the inputs that level saw.
-2. Closed-over tensors (NOTE [ Closed-over tensors ] in ``_closure.py``) become
+2. Closed-over tensors (NOTE [ Closed-over tensors ] in ``_capture/closure.py``) become
    explicit inputs. ``fn`` runs on the user's own arguments and closure (no
    copies, no slot written: what it appends to a list stays appended, and
    another thread reading the same global sees nothing of ours); a tensor
@@ -63,7 +63,7 @@ NOTE [ The functional engine ]
    respect to the inputs some level differentiates, and the backward's ``vjp``
    differentiates the same inputs: both see the same physical ops, which replay
    and its determinism check need.
-8. Offload (NOTE [ Offload: streams, events, prefetch ] in ``_offload.py``). At
+8. Offload (NOTE [ Offload: streams, events, prefetch ] in ``_offload/store.py``). At
    the end of a recorded forward, each kept output whose decision is
    ``OFFLOAD`` goes to the region's store (``Region.offload_store``, else
    `current_store`) as an `Offloaded` entry ordered (serial, op index,
@@ -104,7 +104,7 @@ NOTE [ The functional engine ]
    that still holds a tensor raises `RematError` (its tensor would not be an
    output of the Function), and so does the eager engine. Argument leaves that
    are objects are walked for tensors like objects ``fn`` reaches (rule 2).
-12. Escaped tensors (NOTE [ Escaped tensors ] in ``_escapes.py``): a tensor
+12. Escaped tensors (NOTE [ Escaped tensors ] in ``_engines/escapes.py``): a tensor
    ``fn`` hands out other than through its return value (a hook appending to
    a list, an attribute, a global) becomes an extra output of the Function,
    swapped into the user's Python object after ``apply``; the recompute
@@ -127,21 +127,22 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from .._autocast import AutocastState
-from .._autograd_inside import differentiated_by, feeds, outside_grad_error
-from .._closure import Bindings, find_closed_over
+from .._capture.closure import Bindings, find_closed_over
+from .._capture.module_state import state_guard_of
 from .._compile import uncompiled
 from .._errors import RematError
-from .._module_state import state_guard_of
-from .._offload import Offloaded, current_store, next_serial, offload, placeholder_for
+from .._offload.selection import current_store
+from .._offload.store import Offloaded, next_serial, offload, placeholder_for
+from .._policy.base import Decision, Policy
 from .._pytree import check_outputs_visible, flatten_region_io
-from .._region import Region
-from .._replay import OpLog, OpRecord, RecordMode, ReplayMode, physical, storage_address
-from .._rng import RngState, check_batched_recompute, generators_of, vmap_levels
-from .._signature import OpTrace, divergence
+from .._replay.autocast import AutocastState
+from .._replay.checks import OpTrace, divergence
+from .._replay.log import OpLog, OpRecord, RecordMode, ReplayMode, physical, storage_address
+from .._replay.rng import RngState, check_batched_recompute, generators_of, vmap_levels
 from .._state import internal, is_recomputing, local, recomputing
-from ..policies import Decision, Policy
-from ._escapes import EscapeWatch
+from .autograd_inside import differentiated_by, feeds, outside_grad_error
+from .escapes import EscapeWatch
+from .region import Region
 
 __all__ = ["run_functional"]
 
@@ -178,7 +179,7 @@ def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
         return fn(*args, **kwargs)
     call = _Call(region, fn, args, kwargs)
     flat_out = _RematFunction.apply(call, *call.inputs)  # type: ignore[no-untyped-call]
-    # Escaped tensors come last (NOTE [ Escaped tensors ] in ``_escapes.py``).
+    # Escaped tensors come last (NOTE [ Escaped tensors ] in ``_engines/escapes.py``).
     # (`adopt` must hold the only references to them: it lets each go after its swap.)
     count = len(flat_out) - len(call.escapes.found)
     flat_out, escaped = flat_out[:count], list(flat_out[count:])
@@ -261,7 +262,7 @@ class _Call:
             bindings = find_closed_over(fn, _argument_objects(leaves, region.label))
         self.bindings: Bindings = bindings
         #: Module buffers, closure cells and ``.grad`` the forward changes, changed
-        #: once (NOTE [ State the forward changes ] in ``_module_state.py``).
+        #: once (NOTE [ State the forward changes ] in ``_capture/module_state.py``).
         # No ``.grad`` watch: torch refuses ``.backward()`` inside a transform.
         self.state = state_guard_of(fn, leaves, region.label, grads=False)
         #: The tensors as ``fn`` reaches them: the ones each op gets substituted.
@@ -302,7 +303,7 @@ class _Call:
         #: Offloaded kept outputs (NOTE rule 8): (record, position, entry).
         self.offloaded: list[tuple[OpRecord, int, Offloaded]] = []
         #: The forward's torch calls, which every recompute must repeat (NOTE [
-        #: Recompute signatures ] in ``_signature.py``).
+        #: Recompute signatures ] in ``_replay/checks.py``).
         self.trace = OpTrace(region.label, region.determinism_check)
 
     def run(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -1095,7 +1096,7 @@ class _HiddenInputGuard:
 
     def check_grad_target(self, t: torch.Tensor) -> None:
         """``torch.autograd.grad`` with respect to an input that feeds another input
-        outside the region: that path is not in the Function (``_autograd_inside.py``)."""
+        outside the region: that path is not in the Function (``_engines/autograd_inside.py``)."""
         i = self._outer(t)
         if i is None:
             return

@@ -62,10 +62,10 @@ from torch import nn
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._compile import uncompiled
-from ._errors import RematError, SavedInputMutatedError
-from ._signature import STANDS_FOR_LEAF
-from ._state import entered_internally, internal, local
+from .._compile import uncompiled
+from .._errors import RematError, SavedInputMutatedError
+from .._replay.checks import STANDS_FOR_LEAF
+from .._state import entered_internally, internal, local
 
 __all__ = [
     "SNAPSHOT_BYTES",
@@ -401,7 +401,7 @@ class StateGuard:
        module that updates a buffer the forward did not write) raises
        `SavedInputMutatedError` instead of recomputing from the new values.
        Inside the torch.func engine this rule stands aside: that engine
-       snapshots the slots (``_closure.py``) and substitutes at each op
+       snapshots the slots (``_capture/closure.py``) and substitutes at each op
        what the forward saw, writing nothing to them.
     2. Every buffer of a stateful module is swapped for a copy of its snapshot,
        and the real buffers are put back afterwards, also when the engine stops

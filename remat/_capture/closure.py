@@ -56,8 +56,8 @@ from typing import Any
 import optree
 import torch
 
-from ._errors import SavedInputMutatedError
-from ._module_state import is_stateful, storage_of
+from .._errors import SavedInputMutatedError
+from .module_state import is_stateful, storage_of
 
 __all__ = ["Bindings", "find_closed_over", "is_tracked"]
 

@@ -1,7 +1,7 @@
 """The CUDA host store: pinned buffers, side-stream copies, events, prefetch.
 
 The store's rules are NOTE [ Offload: streams, events, prefetch ] rules 4-6 in
-``_offload.py``. Every stream, event and allocation call goes through a
+``_offload/store.py``. Every stream, event and allocation call goes through a
 `CudaRuntime`, so that tests can run the store's own logic against a simulated
 device that executes side-stream copies late and in varying order, and checks
 that each wait, event and ``record_stream`` the rules name is really there
@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._offload import Handle, HostPool, HostStore, as_layout, nbytes
+from .pool import HostPool, as_layout
+from .store import Handle, HostStore, nbytes
 
 __all__ = ["CudaHostStore", "CudaRuntime"]
 

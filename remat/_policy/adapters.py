@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-from ._policy_base import Decision, Policy, _fn_repr
+from .base import Decision, Policy, _fn_repr
 
 # ---------------------------------------------------------------------------
 # Ops and callables

@@ -37,7 +37,7 @@ NOTE [ Record and replay ]
    replayed op must get tensors of the forward's shapes, checked even with
    ``determinism_check=False``: handing a kept output to another op, or to the
    same op given other shapes, would compute garbage. That flag skips only the
-   comparison of Python numbers (and the signature checks of ``_signature.py``).
+   comparison of Python numbers (and the signature checks of ``_replay/checks.py``).
 7. FSDP2 (``fully_shard``) gathers a unit's parameters in its forward pre-hook
    with ``fsdp::`` ops, and in backward only if they were resharded since: a
    region that records those ops would replay the gather (or miss it). An
@@ -57,11 +57,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from . import _ops
-from ._errors import NondeterministicRecomputeError, RematError
-from ._signature import CURES, arg_shapes, divergence
-from ._state import local
-from .policies import Decision, Policy
+from .._errors import NondeterministicRecomputeError, RematError
+from .._policy import ops as _ops
+from .._policy.base import Decision, Policy
+from .._state import local
+from .checks import CURES, arg_shapes, divergence
 
 __all__ = [
     "TAG",

@@ -6,8 +6,8 @@ import dataclasses
 from collections.abc import Hashable, Iterable
 from typing import Any
 
-from . import _ops
-from ._policy_base import Decision, Policy, _check_dst, _check_names, _names_repr
+from . import ops as _ops
+from .base import Decision, Policy, _check_dst, _check_names, _names_repr
 
 # ---------------------------------------------------------------------------
 # Constant policies

@@ -27,7 +27,7 @@ import torch
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._errors import RematError
+from .._errors import RematError
 
 __all__ = ["RngState", "check_batched_recompute", "generators_of", "vmap_levels"]
 

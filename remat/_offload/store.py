@@ -24,7 +24,7 @@ NOTE [ Offload: streams, events, prefetch ]
    the entry at position ``s`` first prefetches the ``prefetch_distance``
    pending entries just before ``s``: host-to-device copies run that many
    tensors ahead of use.
-4. `CudaHostStore` (``_cuda_store.py``), put: the side stream ``d2h`` waits
+4. `CudaHostStore` (``cuda.py``), put: the side stream ``d2h`` waits
    for the current stream (so the copy starts after the producing op), copies
    into a pinned host buffer, and records an event. ``record_stream(d2h)`` tells the caching
    allocator that the device block is in use on ``d2h``: when the engine drops
@@ -40,14 +40,14 @@ NOTE [ Offload: streams, events, prefetch ]
    wherever an entry dies); a release from inside a prefetch (a finalizer in a
    GC pass) leaves the buffer to the prefetch, which gives it back with its
    own event.
-6. Host buffers are pooled in power-of-two byte sizes, as torch's pinned
+6. Host buffers are pooled (``pool.py``) in power-of-two byte sizes, as torch's pinned
    allocator rounds them (exact sizes would never be reused when shapes vary),
    and reused across steps (no ``cudaHostAlloc`` per step); ``empty_cache()``
    frees the pooled buffers no copy uses. A released buffer goes back to the
    pool with the last event that touched it, and is handed out again only once
    that event has completed: a new put never overwrites data an earlier copy
    still reads (the race behind NaN gradients in other offload implementations).
-7. Which store: the region's own (``Region.offload_store``), else the innermost
+7. Which store (``selection.py``): the region's own (``Region.offload_store``), else the innermost
    `use_host_store`, else a process-wide `CudaHostStore`. CPU tensors are not
    accepted by the CUDA store, so on CPU ``OFFLOAD`` degrades to ``SAVE``.
 """
@@ -56,26 +56,21 @@ from __future__ import annotations
 
 import abc
 import bisect
-import contextlib
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 
 __all__ = [
-    "FakeHostStore",
-    "HostPool",
+    "Handle",
     "HostStore",
     "Offloaded",
-    "as_layout",
-    "current_store",
+    "Order",
     "nbytes",
+    "next_serial",
     "offload",
     "placeholder_for",
-    "use_host_store",
 ]
 
 #: An opaque reference to one tensor in a store.
@@ -114,21 +109,6 @@ def _plain(t: torch.Tensor) -> bool:
 def nbytes(t: torch.Tensor) -> int:
     """Bytes of the elements of ``t`` (a dense tensor's storage size)."""
     return t.numel() * t.element_size()
-
-
-def _bucket(nbytes: int) -> int:
-    """``nbytes`` rounded up to a power of two: what torch's pinned allocator allocates."""
-    return 1 << max(nbytes - 1, 0).bit_length()
-
-
-def _host_buffer(size: int) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.uint8)
-
-
-def as_layout(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """View the start of a byte ``buffer`` with ``like``'s dtype, shape and strides."""
-    flat = buffer[: nbytes(like)].view(like.dtype)
-    return flat.as_strided(like.shape, like.stride())
 
 
 class HostStore(abc.ABC):
@@ -303,6 +283,7 @@ def offload(t: torch.Tensor, store: HostStore, order: Order | None = None) -> Of
 
     Examples:
         >>> import torch
+        >>> from remat._offload.fake import FakeHostStore
         >>> store = FakeHostStore(min_bytes=0)
         >>> entry = offload(torch.arange(4.0), store)
         >>> entry.get()
@@ -317,191 +298,6 @@ def offload(t: torch.Tensor, store: HostStore, order: Order | None = None) -> Of
         if schedule is None:
             schedule = _schedules[store] = _Schedule(store)
     return schedule.put(t, order if order is not None else (next_serial(), 0, 0))
-
-
-# -- choosing a store --------------------------------------------------------
-
-_local = threading.local()
-_default: HostStore | None = None
-
-
-@contextlib.contextmanager
-def use_host_store(store: HostStore) -> Iterator[HostStore]:
-    """Send offloaded values of regions whose forward runs inside to ``store``.
-
-    Args:
-        store (HostStore): the store, e.g. a `FakeHostStore` in tests.
-
-    Yields:
-        HostStore: ``store``.
-
-    Examples:
-        >>> import torch, remat
-        >>> store = FakeHostStore(min_bytes=0)
-        >>> f = remat.remat(lambda x, w: (x @ w).sin(), policy="offload-dots")
-        >>> x, w = torch.randn(2, 3), torch.randn(3, 3, requires_grad=True)
-        >>> with use_host_store(store):
-        ...     loss = f(x, w).sum()
-        >>> loss.backward()
-        >>> [verb for verb, _ in store.log]
-        ['put', 'get', 'release']
-    """
-    stack: list[HostStore] = _local.__dict__.setdefault("stores", [])
-    stack.append(store)
-    try:
-        yield store
-    finally:
-        stack.pop()
-
-
-def current_store(region_store: HostStore | None = None) -> HostStore:
-    """The store a region uses: its own, else the innermost `use_host_store`, else CUDA's."""
-    global _default
-    if region_store is not None:
-        return region_store
-    stack: list[HostStore] = _local.__dict__.get("stores", [])
-    if stack:
-        return stack[-1]
-    if _default is None:
-        from ._cuda_store import CudaHostStore  # it builds on this module
-
-        _default = CudaHostStore()
-    return _default
-
-
-# -- host buffers ------------------------------------------------------------
-
-
-class HostPool:
-    """Host buffers in power-of-two sizes, handed out again once their last copy is done.
-
-    NOTE rule 6. A request for ``n`` bytes gets a buffer of the next power of
-    two bytes (`as_layout` views its start), so varying shapes share buffers.
-
-    Args:
-        allocate: makes a new ``uint8`` buffer of the given byte size.
-        done: whether an event given back with a buffer has completed.
-    """
-
-    def __init__(
-        self,
-        allocate: Callable[[int], torch.Tensor],
-        done: Callable[[Any], bool] = lambda event: True,
-    ) -> None:
-        self._allocate = allocate
-        self._done = done
-        self.free: dict[int, list[torch.Tensor]] = {}
-        self.busy: list[tuple[torch.Tensor, Any]] = []  # (buffer, event still running)
-        #: Buffers the pool holds, in use or free (bounded when steps reuse them).
-        self.allocated = 0
-        #: Their bytes (rounded sizes): the host memory the pool holds.
-        self.bytes = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A buffer of at least ``nbytes`` bytes that no copy uses."""
-        self._reclaim()
-        size = _bucket(nbytes)
-        free = self.free.get(size)
-        if free:
-            return free.pop()
-        self.allocated += 1
-        self.bytes += size
-        return self._allocate(size)
-
-    def give_back(self, buffer: torch.Tensor, event: Any = None) -> None:
-        if event is not None and not self._done(event):
-            self.busy.append((buffer, event))
-        else:
-            self.free.setdefault(buffer.numel(), []).append(buffer)
-
-    def trim(self) -> int:
-        """Drop the buffers no copy uses (the busy ones stay); return the bytes dropped."""
-        self._reclaim()
-        free, self.free = self.free, {}  # a reentrant give_back fills the new dict
-        dropped = [buffer for buffers in free.values() for buffer in buffers]
-        self.allocated -= len(dropped)
-        freed = sum(buffer.numel() for buffer in dropped)
-        self.bytes -= freed
-        return freed
-
-    def _reclaim(self) -> None:
-        busy, self.busy = self.busy, []  # a reentrant give_back appends to the new list
-        for buffer, event in busy:
-            if self._done(event):
-                self.free.setdefault(buffer.numel(), []).append(buffer)
-            else:
-                self.busy.append((buffer, event))
-
-
-# -- a store for tests -------------------------------------------------------
-
-
-class FakeHostStore(HostStore):
-    """A CPU-to-CPU store that records every call, to test the protocol without a GPU.
-
-    It accepts CPU tensors, copies them into pooled buffers on `put`, and
-    appends ``(verb, handle)`` to `log` for every call. ``empty_cache()`` frees
-    the pooled buffers no tensor uses now.
-
-    Args:
-        min_bytes (int, optional): smaller tensors are not taken. Default: 0.
-        prefetch_distance (int, optional): tensors fetched ahead of use. Default: 2.
-
-    Examples:
-        >>> store = FakeHostStore()
-        >>> h = store.put(torch.ones(2))
-        >>> store.get(h), store.log
-        (tensor([1., 1.]), [('put', 0), ('get', 0)])
-    """
-
-    def __init__(self, *, min_bytes: int = 0, prefetch_distance: int = 2) -> None:
-        super().__init__(min_bytes=min_bytes, prefetch_distance=prefetch_distance)
-        self.pool = HostPool(_host_buffer)
-        self.log: list[tuple[str, Handle]] = []
-        self.live: dict[Handle, tuple[torch.Tensor, torch.Tensor]] = {}  # (buffer, view)
-        self.fetched: dict[Handle, torch.Tensor] = {}
-        self._handles = itertools.count()
-
-    def accepts(self, t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and super().accepts(t)
-
-    @property
-    def host_bytes(self) -> int:
-        """Bytes of the (unpinned) buffers in the pool (in use or free)."""
-        return self.pool.bytes
-
-    def empty_cache(self) -> None:
-        """Free the pooled buffers that hold no offloaded tensor."""
-        self.pool.trim()
-
-    def calls(self, verb: str) -> list[Handle]:
-        """The handles passed to ``verb`` ("put", "prefetch", "get", "release"), in order."""
-        return [handle for name, handle in self.log if name == verb]
-
-    def put(self, t: torch.Tensor) -> Handle:
-        handle = next(self._handles)
-        buffer = self.pool.take(nbytes(t))
-        host = as_layout(buffer, t)
-        host.copy_(t)
-        self.live[handle] = (buffer, host)
-        self.log.append(("put", handle))
-        return handle
-
-    def prefetch(self, handle: Handle) -> None:
-        self.log.append(("prefetch", handle))
-        if handle in self.live and handle not in self.fetched:
-            self.fetched[handle] = self.live[handle][1].clone()
-
-    def get(self, handle: Handle) -> torch.Tensor:
-        self.log.append(("get", handle))
-        value = self.fetched.pop(handle, None)
-        return value if value is not None else self.live[handle][1].clone()
-
-    def release(self, handle: Handle) -> None:
-        self.log.append(("release", handle))
-        self.fetched.pop(handle, None)
-        buffer, _ = self.live.pop(handle)
-        self.pool.give_back(buffer)
 
 
 def placeholder_for(t: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .._errors import NondeterministicRecomputeError, RematError
-from .._signature import CURES
+from .._replay.checks import CURES
 from .._state import local
 
 __all__ = ["EscapeWatch"]

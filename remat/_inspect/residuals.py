@@ -35,12 +35,12 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import policies as _policies
-from ._engines.hooks import Frame, Holder
-from ._memory import ComputeOpCounter
-from ._region import Region, describe_callable
-from ._replay import TAG, OpRecord, storage_address
-from .policies import Decision, PolicyLike
+from .. import policies as _policies
+from .._engines.eager import Frame, Holder
+from .._engines.region import Region, describe_callable
+from .._replay.log import TAG, OpRecord, storage_address
+from ..policies import Decision, PolicyLike
+from .memory import ComputeOpCounter
 
 __all__ = [
     "PolicyCost",
@@ -463,8 +463,8 @@ def policy_costs(
         >>> [r.policy for r in rows], rows[1].held_bytes < rows[0].held_bytes
         (['none', 'nothing-saveable'], True)
     """
-    from ._api import remat as remat_fn
-    from ._memory import measure_memory
+    from .._api import remat as remat_fn
+    from .memory import measure_memory
 
     variants = [("none", fn)] + [(_label(p), remat_fn(fn, policy=p)) for p in policies]
     steps = [(label, _loss_fn(g, kwargs)) for label, g in variants]

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .policies import Policy
+from .._policy.base import Policy
 
 if TYPE_CHECKING:
-    from ._offload import HostStore
+    from .._offload.store import HostStore
 
 __all__ = ["Region", "describe_callable"]
 

@@ -10,8 +10,13 @@ from typing import Any
 
 import torch
 
-from ._policy_base import Policy, PolicyLike
-from ._policy_jax import (
+from .adapters import (
+    from_callable,
+    from_selective_checkpoint,
+    save_these_ops,
+)
+from .base import Policy, PolicyLike
+from .library import (
     dots_saveable,
     dots_with_no_batch_dims_saveable,
     everything_saveable,
@@ -24,11 +29,6 @@ from ._policy_jax import (
     save_from_both_policies,
     save_last,
     save_only_these_names,
-)
-from ._policy_ops import (
-    from_callable,
-    from_selective_checkpoint,
-    save_these_ops,
 )
 
 # ---------------------------------------------------------------------------

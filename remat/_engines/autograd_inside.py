@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._errors import RematError
+from .._errors import RematError
 
 __all__ = ["GradWatch", "OutsideGradError", "differentiated_by", "feeds", "outside_grad_error"]
 

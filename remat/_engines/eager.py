@@ -22,7 +22,7 @@ NOTE [ The eager engine ]
    produced, marked demotable; when the next such region starts its forward,
    the previous one is demoted: demotable holders are emptied and recompute
    armed.
-6. Offload (NOTE [ Offload: streams, events, prefetch ] in ``_offload.py``): an
+6. Offload (NOTE [ Offload: streams, events, prefetch ] in ``_offload/store.py``): an
    ``OFFLOAD`` value goes to the frame's host store once, as an `Offloaded`
    entry keyed by the op output it is (record, position). A saved tensor is put
    in `pack`, right after its op. (Writing to a saved tensor later is an error
@@ -52,25 +52,16 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .._autocast import AutocastState
-from .._autograd_inside import GradWatch, OutsideGradError, feeds
-from .._closure import find_closed_over
+from .._capture.closure import find_closed_over
+from .._capture.module_state import state_guard_of
 from .._compile import uncompiled
 from .._errors import NondeterministicRecomputeError, RematError, SavedInputMutatedError
-from .._module_state import state_guard_of
-from .._offload import (
-    HostStore,
-    Offloaded,
-    current_store,
-    next_serial,
-    offload,
-    placeholder_for,
-)
+from .._offload.selection import current_store
+from .._offload.store import HostStore, Offloaded, next_serial, offload, placeholder_for
+from .._policy.base import Decision
 from .._pytree import check_outputs_visible, flatten, flatten_region_io, tensor_leaves, tree_map
-from .._region import Region
-from .._replay import TAG, OpLog, OpRecord, RecordMode, ReplayMode, side_by_side
-from .._rng import RngState, check_batched_recompute, generators_of
-from .._signature import (
+from .._replay.autocast import AutocastState
+from .._replay.checks import (
     CURES,
     SavedSignature,
     describe_saved,
@@ -78,8 +69,11 @@ from .._signature import (
     same_signature,
     saved_signature,
 )
+from .._replay.log import TAG, OpLog, OpRecord, RecordMode, ReplayMode, side_by_side
+from .._replay.rng import RngState, check_batched_recompute, generators_of
 from .._state import local, recomputing
-from ..policies import Decision
+from .autograd_inside import GradWatch, OutsideGradError, feeds
+from .region import Region
 
 __all__ = ["Frame", "Holder", "TorchFuncInsideError", "run_eager"]
 
@@ -150,7 +144,7 @@ class Frame:
         self.holders: list[weakref.ref[Holder]] = []
         self.check = region.determinism_check
         #: The signature of each saved tensor, kept only for the determinism check
-        #: (NOTE [ Recompute signatures ] in ``_signature.py``).
+        #: (NOTE [ Recompute signatures ] in ``_replay/checks.py``).
         self.metas: list[SavedSignature] = []
         #: Ids of the recompute's (detached) inputs, to sign its saved tensors.
         self.recompute_input_ids: set[int] = set()
@@ -603,7 +597,7 @@ class Frame:
         """The recompute failed: raise `OutsideGradError` if that is why.
 
         ``fn`` may call ``torch.autograd.grad`` with respect to a tensor that
-        reaches it only through a non-leaf argument (NOTE in ``_autograd_inside.py``):
+        reaches it only through a non-leaf argument (NOTE in ``_engines/autograd_inside.py``):
         the forward saw that path, the recompute (on detached arguments) cannot.
         Run again, watching those calls, only on this failure path: the watch is
         a mode that would cost every recompute a Python call per op.

@@ -66,20 +66,31 @@ class Policy(abc.ABC):
 
     def __add__(self, other: object) -> Policy:
         """``a + b`` is ``save_from_both_policies(a, b)``; ``b`` may be a policy string."""
-        from ._policy_jax import save_from_both_policies  # they build on this module
-        from ._policy_strings import resolve
-
         if isinstance(other, Policy | str):
-            return save_from_both_policies(self, resolve(other))
+            return _combine(self, other)
         return NotImplemented
 
     def __radd__(self, other: object) -> Policy:
-        from ._policy_jax import save_from_both_policies
-        from ._policy_strings import resolve
-
         if isinstance(other, Policy | str):
-            return save_from_both_policies(resolve(other), self)
+            return _combine(other, self)
         return NotImplemented
+
+
+# ``+`` needs the string grammar and `save_from_both_policies`, both built on this
+# module. ``remat._policy/__init__.py`` installs them here, once, when the package is
+# imported (before any policy can exist), so this module never imports upward.
+_combiner: Callable[[Policy | str, Policy | str], Policy] | None = None
+
+
+def install_combiner(combine: Callable[[Policy | str, Policy | str], Policy]) -> None:
+    """Set what ``a + b`` does (called once by ``remat._policy``)."""
+    global _combiner
+    _combiner = combine
+
+
+def _combine(a: Policy | str, b: Policy | str) -> Policy:
+    assert _combiner is not None, "remat._policy was not imported: this is a bug in remat"
+    return _combiner(a, b)
 
 
 # ---------------------------------------------------------------------------

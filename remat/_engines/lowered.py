@@ -64,12 +64,12 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ._policy_base import Decision, Policy
-from ._policy_jax import Dots, EverythingSaveable, NothingSaveable, SaveFromBothPolicies
-from ._policy_ops import SaveTheseOps
-from ._region import Region
-from ._replay import _draws_random, _traits
-from ._rng import RngState
+from .._policy.adapters import SaveTheseOps
+from .._policy.base import Decision, Policy
+from .._policy.library import Dots, EverythingSaveable, NothingSaveable, SaveFromBothPolicies
+from .._replay.log import _draws_random, _traits
+from .._replay.rng import RngState
+from .region import Region
 
 __all__ = ["contexts_for", "lowers", "run_lowered"]
 

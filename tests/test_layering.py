@@ -1,0 +1,126 @@
+"""The package is layered: a module imports only from its own layer or a lower one.
+
+Data flows api -> policy -> engine -> replay/offload (DESIGN §2), so nothing reaches
+back up and there is no import circle. Every import counts, deferred ones inside
+functions and ``TYPE_CHECKING`` blocks included: a deferred import is still a circle.
+A new module must be given a layer here, which is the moment to ask where it belongs.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "remat"
+
+#: Lowest first. A module's layer is that of the longest prefix listed.
+LAYERS: list[tuple[str, ...]] = [
+    ("remat._errors", "remat._state", "remat._pytree", "remat._compile", "remat._compat"),
+    ("remat._policy", "remat.policies"),
+    ("remat._replay", "remat._offload"),
+    ("remat._capture",),
+    ("remat._engines",),
+    ("remat._api",),
+    ("remat._modules", "remat._inspect"),
+    ("remat._demo_model", "remat.testing", "remat.compat", "remat.integrations"),
+    ("remat", "remat.__main__"),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer_of(module: str) -> int:
+    best, depth = -1, -1
+    for level, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            matches = module == prefix or module.startswith(prefix + ".")
+            if matches and prefix.count(".") > depth:
+                best, depth = level, prefix.count(".")
+    if best < 0:
+        raise AssertionError(f"{module} has no layer: add it to LAYERS in {__file__}")
+    return best
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
+    """The remat modules ``module`` imports, anywhere in its source."""
+    is_package = path.name == "__init__.py"
+    here = module.split(".") if is_package else module.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = here[: len(here) - node.level + 1] if node.level else []
+            target = ".".join(base + (node.module.split(".") if node.module else []))
+            for alias in node.names:
+                # ``from pkg import sub`` imports the submodule ``pkg.sub``, not pkg's names
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in known else target)
+    return {name for name in found if name in known and name != module}
+
+
+@functools.cache
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+
+
+def test_every_module_has_a_layer() -> None:
+    for name in modules():
+        layer_of(name)
+
+
+@pytest.mark.parametrize("module", sorted(modules()))
+def test_no_upward_import(module: str) -> None:
+    graph = import_graph()
+    upward = sorted(t for t in graph[module] if layer_of(t) > layer_of(module))
+    assert not upward, f"{module} (layer {layer_of(module)}) imports from above: {upward}"
+
+
+def circles_in(graph: dict[str, set[str]]) -> list[list[str]]:
+    circles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                circles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for start in sorted(graph):
+        if start not in state:
+            visit(start, [start])
+    return circles
+
+
+def test_no_import_circle() -> None:
+    circles = circles_in(import_graph())
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_the_checker_sees_a_circle() -> None:
+    graph = {"a.base": {"a.lib"}, "a.lib": {"a.strings"}, "a.strings": {"a.base"}, "b": set()}
+    assert circles_in(graph) == [["a.base", "a.lib", "a.strings", "a.base"]]
+
+
+def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
+    """The rule can fail: a deferred upward import inside a function is found."""
+    fake = tmp_path / "remat" / "_replay" / "log.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("def f():\n    from .._engines import eager\n")
+    found = imports_of("remat._replay.log", fake, {"remat._engines.eager", "remat._engines"})
+    assert found == {"remat._engines.eager"}
+    assert layer_of("remat._engines.eager") > layer_of("remat._replay.log")
