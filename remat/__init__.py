@@ -5,6 +5,7 @@ instead of holding them, chosen per operation by a named policy, on pytrees, in
 eager autograd and under ``torch.func``.
 """
 
+from . import compat as compat
 from . import policies as policies
 from ._api import checkpoint as checkpoint
 from ._api import checkpoint_name as checkpoint_name
@@ -12,6 +13,7 @@ from ._api import remat as remat
 from ._capture.module_state import register_stateful as register_stateful
 from ._errors import NondeterministicRecomputeError as NondeterministicRecomputeError
 from ._errors import RematError as RematError
+from ._errors import RematWarning as RematWarning
 from ._errors import SavedInputMutatedError as SavedInputMutatedError
 from ._inspect.memory import MemoryReport as MemoryReport
 from ._inspect.memory import measure_memory as measure_memory
@@ -39,11 +41,13 @@ __all__ = [
     "NondeterministicRecomputeError",
     "PolicyCost",
     "RematError",
+    "RematWarning",
     "Residual",
     "SavedInputMutatedError",
     "apply",
     "checkpoint",
     "checkpoint_name",
+    "compat",
     "compare",
     "is_recomputing",
     "is_wrapped",

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["NondeterministicRecomputeError", "RematError", "SavedInputMutatedError"]
+__all__ = [
+    "NondeterministicRecomputeError",
+    "RematError",
+    "RematWarning",
+    "SavedInputMutatedError",
+]
 
 
 class RematError(RuntimeError):
@@ -15,3 +20,7 @@ class NondeterministicRecomputeError(RematError):
 
 class SavedInputMutatedError(RematError):
     """A region input was mutated in place between the forward and the recompute."""
+
+
+class RematWarning(UserWarning):
+    """remat did what was asked, but probably not what was meant (see the message)."""

@@ -43,6 +43,7 @@ from . import policies
 from ._api import call_region, check_options, make_region, remat
 from ._capture.module_state import StateGuard
 from ._compile import uncompiled
+from ._declared_layers import is_declared_layer, warn_if_checkpointed_twice
 from ._engines.lowered import lowers, run_lowered
 from .policies import PolicyLike
 
@@ -310,7 +311,7 @@ def apply(
     /,
     *,
     policy: PolicyChoice = "nothing-saveable",
-    where: Where,
+    where: Where | None = None,
     **remat_options: Any,
 ) -> M:
     """Wrap every submodule of ``model`` that ``where`` selects; return ``model``.
@@ -325,8 +326,10 @@ def apply(
             type or qualified name to a policy (names are looked up before
             types, types along the MRO; a match with no entry raises), or a
             callable ``(name, module) -> policy``. Default: "nothing-saveable".
-        where (type | tuple of types | callable): the modules to wrap, by type,
-            or a predicate ``(qualified_name, module) -> bool``.
+        where (type | tuple of types | callable, optional): the modules to wrap,
+            by type, or a predicate ``(qualified_name, module) -> bool``. Default:
+            the layers the model declares checkpointable (Hugging Face's
+            ``GradientCheckpointingLayer``s; no ``transformers`` import needed).
         **remat_options: the other options of `remat.remat`, for every match.
 
     Returns:
@@ -334,7 +337,12 @@ def apply(
 
     Raises:
         TypeError: ``where`` is neither a type, a tuple of types nor callable.
+        ValueError: ``where`` is omitted and the model declares no checkpointable layers.
         KeyError: a policy mapping has no entry for a selected module.
+
+    Warns:
+        RematWarning: a selected module contains layers that Hugging Face's own
+            gradient checkpointing also checkpoints.
 
     Examples:
         >>> import torch
@@ -349,13 +357,14 @@ def apply(
     _check_options("remat.apply", remat_options)
     if not isinstance(policy, Mapping) and not _is_policy_callback(policy):
         policies.resolve(policy)  # a bad policy raises even when nothing matches
-    select = _selector(where)
+    select = _declared(model) if where is None else _selector(where)
     chosen: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if any(_contains(outer, name) for outer, _ in chosen):
             continue
         if select(name, module):
             chosen.append((name, module))
+    warn_if_checkpointed_twice("remat.apply", [module for _, module in chosen])
     for name, module in chosen:
         _wrap(module, _policy_for(policy, name, module), remat_options, "remat.apply")
     return model
@@ -363,6 +372,17 @@ def apply(
 
 def _contains(outer: str, name: str) -> bool:
     return outer == "" or name.startswith(outer + ".")
+
+
+def _declared(model: nn.Module) -> Callable[[str, nn.Module], bool]:
+    if not any(is_declared_layer(m) for m in model.modules()):
+        raise ValueError(
+            f"remat.apply: {type(model).__name__} declares no checkpointable layers (Hugging "
+            "Face GradientCheckpointingLayer), so there is nothing to wrap by default; say "
+            "which modules to wrap, e.g. remat.apply(model, where=MyBlock) or "
+            "where=lambda name, module: name.startswith('layers.')"
+        )
+    return lambda _name, module: is_declared_layer(module)
 
 
 def _selector(where: Where) -> Callable[[str, nn.Module], bool]:

@@ -18,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "remat"
 
 #: Lowest first. A module's layer is that of the longest prefix listed.
 LAYERS: list[tuple[str, ...]] = [
-    ("remat._errors", "remat._state", "remat._pytree", "remat._compile", "remat._compat"),
+    ("remat._errors", "remat._state", "remat._pytree", "remat._compile", "remat._compat",
+     "remat._declared_layers"),
     ("remat._policy", "remat.policies"),
     ("remat._replay", "remat._offload"),
     ("remat._capture",),

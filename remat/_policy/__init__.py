@@ -2,7 +2,8 @@
 
 Layers inside, lowest first: ``base`` (Decision, Policy) < ``ops`` (aten classes) <
 ``library`` (JAX's policies) and ``adapters`` (op lists, callables, torch's selective
-checkpoint functions) < ``strings`` (the grammar and registry).
+checkpoint functions) < ``strings`` (the grammar and registry); ``contexts`` (the
+policy of a torch ``context_fn``) uses ``adapters``.
 """
 
 from __future__ import annotations
