@@ -22,6 +22,8 @@ def test_every_example_is_tested() -> None:
         "sequential_save_last",
         "per_example_grads",
         "flow_divergence",
+        "hf_trainer",
+        "accelerate_prewrap",
     }
 
 
@@ -55,9 +57,28 @@ def test_flow_divergence() -> None:
     assert "saved tensor hooks" in result["torch_checkpoint_error"]
 
 
+def test_hf_trainer() -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # the Trainer needs it
+    result = load("hf_trainer").main(small=True)
+    assert result["remat"]["checkpointed"] == ["transformer.h.0", "transformer.h.1"]
+    assert result["plain"]["checkpointed"] == []
+    assert len(result["remat"]["losses"]) == 2
+    assert result["remat"]["losses"] == result["plain"]["losses"]
+
+
+def test_accelerate_prewrap() -> None:
+    pytest.importorskip("accelerate")
+    result = load("accelerate_prewrap").main(small=True)
+    assert [run["wrapped"] for run in result.values()] == [0, 3, 3]
+    assert result["remat.apply"]["losses"] == pytest.approx(result["plain"]["losses"])
+    assert result["checkpoint_wrapper"]["losses"] == pytest.approx(result["plain"]["losses"])
+
+
 @pytest.mark.parametrize(
     "name",
-    ["quickstart", "gpt_policies", "sequential_save_last", "per_example_grads", "flow_divergence"],
+    ["quickstart", "gpt_policies", "sequential_save_last", "per_example_grads", "flow_divergence",
+     "hf_trainer", "accelerate_prewrap"],
 )
 def test_examples_have_a_main_with_small(name: str) -> None:
     import inspect
