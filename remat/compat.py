@@ -37,6 +37,7 @@ from typing import Any
 from torch import nn
 
 from ._api import remat
+from ._engines.region import describe_callable
 from ._modules import sequential
 from ._policy.contexts import policy_of_context_fn
 from .policies import PolicyLike
@@ -102,8 +103,8 @@ def checkpoint(
     api = "remat.compat.checkpoint"
     _check_reentrant(api, use_reentrant)
     _check_flag(api, "early_stop", early_stop)
-    policy = _policy(api, policy, context_fn)
     target, args, kwargs = _unpack_partial(function, args, kwargs)
+    policy = _policy(api, policy, context_fn, target)
     region = remat(
         target,
         policy=policy,
@@ -167,14 +168,17 @@ def _check_flag(api: str, name: str, value: object) -> None:
         )
 
 
-def _policy(api: str, policy: PolicyLike, context_fn: Callable[[], Any] | None) -> PolicyLike:
-    selective = policy_of_context_fn(context_fn, api)
+def _policy(
+    api: str, policy: PolicyLike, context_fn: Callable[[], Any] | None, fn: Callable[..., Any]
+) -> PolicyLike:
+    label = describe_callable(fn)
+    selective = policy_of_context_fn(context_fn, api, label)
     if selective is None:
         return policy
     if not (isinstance(policy, str) and policy == _DEFAULT_POLICY):
         raise ValueError(
             f"{api}: got both context_fn (a selective-checkpoint policy) and "
-            f"policy={policy!r}; give one of them: drop context_fn, or drop policy="
+            f"policy={policy!r} for {label}; give one of them: drop context_fn, or drop policy="
         )
     return selective
 

@@ -111,7 +111,7 @@ def test_selective_context_fn_reruns_the_same_ops(form: str) -> None:
 def test_selective_op_list_becomes_save_these_ops() -> None:
     context_fn = functools.partial(tc.create_selective_checkpoint_contexts,
                                    [torch.ops.aten.mm.default])
-    assert remat.compat._policy("api", "nothing-saveable", context_fn) == (
+    assert remat.compat._policy("api", "nothing-saveable", context_fn, _plain) == (
         remat.policies.save_these_ops(torch.ops.aten.mm.default)
     )
 
@@ -119,7 +119,8 @@ def test_selective_op_list_becomes_save_these_ops() -> None:
 def test_context_fn_with_another_policy_raises() -> None:
     context_fn = functools.partial(tc.create_selective_checkpoint_contexts, _policy_fn)
     block, x = _block(), torch.randn(4, 6)
-    with pytest.raises(ValueError, match="give one of them: drop context_fn, or drop policy="):
+    with pytest.raises(ValueError, match=r"policy='dots-saveable' for Sequential\.forward .*; "
+                       "give one of them: drop context_fn, or drop policy="):
         remat.compat.checkpoint(block, x, context_fn=context_fn, policy="dots-saveable")
 
 
@@ -129,7 +130,8 @@ def test_other_context_fn_raises_and_the_fix_works() -> None:
     def autocast_contexts() -> tuple[Any, Any]:
         return torch.autocast("cpu", dtype=torch.bfloat16), torch.autocast("cpu", torch.bfloat16)
 
-    with pytest.raises(ValueError, match="Enter other contexts inside the checkpointed function"):
+    with pytest.raises(ValueError, match=r"context_fn for Sequential\.forward .* returned .*"
+                       "Enter other contexts inside the checkpointed function"):
         remat.compat.checkpoint(block, x, context_fn=autocast_contexts)
 
     def wrapped(*args: Any) -> torch.Tensor:  # the fix the message gives

@@ -34,13 +34,18 @@ from .base import Policy
 __all__ = ["policy_of_context_fn"]
 
 
-def policy_of_context_fn(context_fn: Callable[[], Any] | None, api: str) -> Policy | None:
-    """The policy ``context_fn`` asks for, or ``None`` for no ``context_fn`` (NOTE rules 1-3)."""
+def policy_of_context_fn(
+    context_fn: Callable[[], Any] | None, api: str, label: str
+) -> Policy | None:
+    """The policy ``context_fn`` asks for, or ``None`` for no ``context_fn`` (NOTE rules 1-3).
+
+    ``label`` names the checkpointed function (and its source line) in messages.
+    """
     if context_fn is None or context_fn is torch_checkpoint.noop_context_fn:
         return None
     if not callable(context_fn):
         raise TypeError(
-            f"{api}: context_fn must be a callable returning two context managers, got "
+            f"{api}: context_fn for {label} must be a callable returning two context managers, got "
             f"{context_fn!r} ({type(context_fn).__name__})"
         )
     contexts = context_fn()
@@ -48,7 +53,7 @@ def policy_of_context_fn(context_fn: Callable[[], Any] | None, api: str) -> Poli
     policy_fn = getattr(forward, "policy_fn", None)
     if not isinstance(forward, torch_checkpoint._CachingTorchDispatchMode) or policy_fn is None:
         raise ValueError(
-            f"{api}: context_fn returned {contexts!r}; only a context_fn built with "
+            f"{api}: context_fn for {label} returned {contexts!r}; only a context_fn built with "
             "torch.utils.checkpoint.create_selective_checkpoint_contexts (a policy function or "
             "a list of ops) is understood. Enter other contexts inside the checkpointed "
             "function instead; they then apply in the forward and in the recompute: "
