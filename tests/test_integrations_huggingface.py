@@ -294,3 +294,15 @@ def test_a_model_without_hugging_face_checkpointing_raises() -> None:
 def test_every_n_layers_must_be_a_positive_int(bad: Any) -> None:
     with pytest.raises(ValueError, match="every_n_layers must be a positive int"):
         huggingface.enable(_fresh("gpt2"), every_n_layers=bad)
+
+
+def test_apply_with_the_default_cache_in_training_raises_naming_use_cache() -> None:
+    model = remat.apply(_fresh("gpt2"))
+    with pytest.raises(remat.NondeterministicRecomputeError, match="use_cache=False"):
+        model(IDS, labels=IDS)
+    reference = _fresh("gpt2")
+    for m in (model, reference):  # the fix the message gives
+        torch.manual_seed(1234)
+        m(IDS, labels=IDS, use_cache=False).loss.backward()
+    torch.testing.assert_close({n: p.grad for n, p in model.named_parameters()},
+                               {n: p.grad for n, p in reference.named_parameters()})
