@@ -7,6 +7,7 @@ eager autograd and under ``torch.func``.
 
 from . import compat as compat
 from . import policies as policies
+from . import testing as testing
 from ._api import checkpoint as checkpoint
 from ._api import checkpoint_name as checkpoint_name
 from ._api import remat as remat
@@ -15,12 +16,12 @@ from ._errors import NondeterministicRecomputeError as NondeterministicRecompute
 from ._errors import RematError as RematError
 from ._errors import RematWarning as RematWarning
 from ._errors import SavedInputMutatedError as SavedInputMutatedError
+from ._inspect.compare import PolicyCost as PolicyCost
+from ._inspect.compare import compare as compare
+from ._inspect.compare import policy_costs as policy_costs
 from ._inspect.memory import MemoryReport as MemoryReport
 from ._inspect.memory import measure_memory as measure_memory
-from ._inspect.residuals import PolicyCost as PolicyCost
 from ._inspect.residuals import Residual as Residual
-from ._inspect.residuals import compare as compare
-from ._inspect.residuals import policy_costs as policy_costs
 from ._inspect.residuals import print_saved_residuals as print_saved_residuals
 from ._inspect.residuals import residual_totals as residual_totals
 from ._inspect.residuals import saved_residuals as saved_residuals
@@ -60,6 +61,7 @@ __all__ = [
     "residual_totals",
     "saved_residuals",
     "sequential",
+    "testing",
     "unwrap",
     "use_host_store",
     "wrap",

@@ -6,7 +6,7 @@ time as a ratio to no remat and to ``torch.utils.checkpoint`` (medians of
 interleaved repetitions in this run), and whether the gradients match no
 remat's.
 
-Memory is counted exactly by `remat._memory.MemoryMeter` (tensor storages;
+Memory is counted exactly by `remat.testing.MemoryMeter` (tensor storages;
 parameters and the input are the baseline, not counted). "Recomputed ops" is
 the number of aten compute ops (views and detaches excluded) the backward runs,
 minus the number no remat's backward runs: the forward ops repeated.
@@ -162,11 +162,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     Returns:
         list[Row]: one row per variant, no remat first.
     """
-    parser = argparse.ArgumentParser(prog="python -m remat", description=__doc__.splitlines()[0])
-    for name, default in (("depth", 8), ("width", 64), ("heads", 4), ("batch", 4), ("seq", 64),
-                          ("repeats", 7), ("threads", 1)):
-        parser.add_argument(f"--{name}", type=int, default=default)
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     model = demo.Stack(depth=args.depth, width=args.width, heads=args.heads)
     x = demo.make_input(model, batch=args.batch, seq=args.seq)
     # One thread: on a shared, loaded machine several threads per op make timings noise.
@@ -183,6 +179,34 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     print("peak/held: bytes of tensor storages beyond parameters and input, counted exactly.\n"
           "recomputed ops: aten compute ops in backward minus those of no remat's backward.")
     return rows
+
+
+#: (option, default, help) of the command line, in ``--help`` order.
+_OPTIONS: tuple[tuple[str, int, str], ...] = (
+    ("depth", 8, "number of transformer blocks in the stack"),
+    ("width", 64, "model width (embedding size) of every block"),
+    ("heads", 4, "attention heads per block (must divide --width)"),
+    ("batch", 4, "sequences per training step"),
+    ("seq", 64, "tokens per sequence"),
+    ("repeats", 7, "timed repetitions per variant, interleaved; times are their medians"),
+    ("threads", 1, "torch CPU threads while it runs (1 keeps timings steady on a busy machine)"),
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    doc = __doc__ or ""
+    parser = argparse.ArgumentParser(
+        prog="python -m remat",
+        description=doc.splitlines()[0].replace("``", ""),
+        epilog=(
+            "Memory is exact (tensor storages, parameters and input excluded); times are "
+            "ratios measured in this run. Example: python -m remat --depth 4 --repeats 3"
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for name, default, text in _OPTIONS:
+        parser.add_argument(f"--{name}", type=int, default=default, metavar="N", help=text)
+    return parser
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Errors raised by remat at run time."""
+"""Errors raised by remat at run time, and the warning it gives."""
 
 from __future__ import annotations
 
@@ -23,4 +23,8 @@ class SavedInputMutatedError(RematError):
 
 
 class RematWarning(UserWarning):
-    """remat did what was asked, but probably not what was meant (see the message)."""
+    """remat did what was asked, but probably not what was meant (see the message).
+
+    For example, a name policy (``"save:hiden"``) whose names match no
+    ``checkpoint_name`` its region tagged: it keeps nothing by name.
+    """

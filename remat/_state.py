@@ -33,6 +33,9 @@ class _Local(threading.local):
         #: last (`functional._Substitution`). While one runs, that engine maps the
         #: tensors ``fn`` reads (module slots included) itself, writing no slot.
         self.substitutions: list[Any] = []
+        #: An as-is inspection running on this thread (``_inspect._AsIs``): the eager
+        #: engine builds region frames through it, so it can read what they keep.
+        self.inspecting: Any = None
 
 
 local = _Local()

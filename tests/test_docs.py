@@ -60,3 +60,7 @@ def test_mkdocs_build_strict(tmp_path: pathlib.Path) -> None:
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    start = api.index('id="remat.remat"')
+    remat_section = api[start : api.index('id="remat.checkpoint_name"')]
+    assert "-&gt; Callable[[F], F]" not in remat_section  # no overload rendered

@@ -24,6 +24,7 @@ def test_every_example_is_tested() -> None:
         "flow_divergence",
         "hf_trainer",
         "accelerate_prewrap",
+        "compare_policies",
     }
 
 
@@ -75,10 +76,26 @@ def test_accelerate_prewrap() -> None:
     assert result["checkpoint_wrapper"]["losses"] == pytest.approx(result["plain"]["losses"])
 
 
+def test_compare_policies(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("matplotlib")
+    peaks = load("compare_policies").main(small=True, figure=tmp_path / "compare.png")
+    assert (tmp_path / "compare.png").stat().st_size > 0
+    assert peaks["nothing-saveable"] < peaks["dots-saveable"] < peaks["none"]
+    assert peaks["everything-saveable"] == peaks["none"]
+
+
+def test_the_docs_show_the_compare_plot() -> None:
+    page = (EXAMPLES.parent / "docs" / "inspection.md").read_text()
+    assert "![" in page and "images/compare.png" in page
+    assert (EXAMPLES.parent / "docs" / "images" / "compare.png").exists()
+
+
 @pytest.mark.parametrize(
     "name",
-    ["quickstart", "gpt_policies", "sequential_save_last", "per_example_grads", "flow_divergence",
-     "hf_trainer", "accelerate_prewrap"],
+    [
+        "quickstart", "gpt_policies", "sequential_save_last", "per_example_grads",
+        "flow_divergence", "hf_trainer", "accelerate_prewrap", "compare_policies",
+    ],
 )
 def test_examples_have_a_main_with_small(name: str) -> None:
     import inspect

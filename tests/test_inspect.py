@@ -18,7 +18,7 @@ from remat import (
     residual_totals,
     saved_residuals,
 )
-from remat._inspect.residuals import format_costs
+from remat._inspect.compare import format_costs
 from remat.policies import Decision
 
 HERE = pathlib.Path(__file__)

@@ -59,6 +59,7 @@ from .._errors import NondeterministicRecomputeError, RematError, SavedInputMuta
 from .._offload.selection import current_store
 from .._offload.store import HostStore, Offloaded, next_serial, offload, placeholder_for
 from .._policy.base import Decision
+from .._policy.name_check import check_names
 from .._pytree import check_outputs_visible, flatten, flatten_region_io, tensor_leaves, tree_map
 from .._replay.autocast import AutocastState
 from .._replay.checks import (
@@ -342,6 +343,7 @@ class Frame:
         if self.log is None:
             return
         self.log.end_forward()
+        check_names(self.log.policy, self.region.label, self.log.names_seen)
         # Only outputs something will read are worth a copy to the host.
         self.offload_kept(out, None if self.keep_all else self.liveness())
         for holder in self.alive():
@@ -801,7 +803,10 @@ def run_eager(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if _keeps_everything(region):
         with _pushed(_KEEP_EVERYTHING):  # autograd as usual; inner regions run plainly
             return fn(*args, **kwargs)
-    frame = Frame(region, args, kwargs)
+    inspecting = local.inspecting  # NOTE [ Inspecting a function as it is ] (_inspect)
+    frame = Frame(region, args, kwargs) if inspecting is None else inspecting.frame(
+        region, args, kwargs
+    )
     if top is not None:
         frame.parent = top  # running inside the outer region's recompute
     elif policy.keeps_last_region:

@@ -134,6 +134,7 @@ from .._errors import RematError
 from .._offload.selection import current_store
 from .._offload.store import Offloaded, next_serial, offload, placeholder_for
 from .._policy.base import Decision, Policy
+from .._policy.name_check import check_names
 from .._pytree import check_outputs_visible, flatten_region_io
 from .._replay.autocast import AutocastState
 from .._replay.checks import OpTrace, divergence
@@ -461,6 +462,7 @@ class _Call:
                     self.log = _new_log(self.region)
                     with RecordMode(self.log):
                         out = self.run_as_differentiated(tensors)
+                    check_names(self.log.policy, self.region.label, self.log.names_seen)
         finally:
             self.guard = None
         self.rng_after = self.rng.now() if self.rng is not None else None

@@ -15,20 +15,43 @@ NOTE [ How saved_residuals looks inside a region ]
 4. Residuals that are the same tensor (same storage, offset, shape, strides)
    are listed once; a residual whose storage an earlier one already holds is
    marked ``shared`` and not counted again in totals.
+
+NOTE [ Inspecting a function as it is ]
+1. ``policy=None`` (the default, as in JAX) adds no region: ``fn`` runs as it
+   is, and what it keeps is what its own regions keep plus what plain autograd
+   saves outside them. While it runs, ``local.inspecting`` is set on this thread:
+   the eager engine then builds each region's frame through `_AsIs.frame` (an
+   `_InspectFrame` of the region with ``debug=True`` and its own source mode, as
+   in rule 1), and the frames are read after the forward, as above.
+2. Outside the regions, a saved-tensor hook notes what autograd saves, and a
+   dispatch mode entered around the whole call tags every tensor an op returns
+   with the op and its user source line (the regions' hooks, entered inside,
+   take over within them). A tagged tensor was made during the call: when a
+   region receives it as an input, it is held for backward only because that
+   region needs it, so it is reported as saved (for one region around the whole
+   call, the inputs are the caller's and alive anyway).
+3. Regions a ``save_last`` policy demotes are this inspection's own: the thread's
+   last ``save_last`` region (a real one, whose backward is still to come) is
+   set aside for the call and put back after it.
+4. torch.func transforms refuse to start under saved-tensor hooks, so a function
+   that runs one (or a region forced onto the torch.func engine,
+   ``engine="functional"``) cannot be inspected as it is: that raises
+   `RematError` saying to inspect the function the transform differentiates.
+5. Inspection changes no state (NOTE [ Inspection leaves the program as it
+   found it ] in ``guard.py``), and checks its own keywords first.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import inspect
 import os
-import statistics
 import sys
 import sysconfig
-import time
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import optree
@@ -36,19 +59,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import policies as _policies
-from .._engines.eager import Frame, Holder
+from .._engines.eager import _HOOKS_REFUSED, Frame, Holder
 from .._engines.region import Region, describe_callable
+from .._errors import RematError
 from .._replay.log import TAG, OpRecord, storage_address
+from .._state import local
 from ..policies import Decision, PolicyLike
-from .memory import ComputeOpCounter
+from .guard import check_keywords, preserved_state
 
 __all__ = [
-    "PolicyCost",
     "Residual",
-    "compare",
-    "format_costs",
     "format_residuals",
-    "policy_costs",
     "print_saved_residuals",
     "residual_totals",
     "saved_residuals",
@@ -90,65 +111,111 @@ class Residual:
 
 
 def saved_residuals(
-    fn: Callable[..., Any], *args: Any, policy: PolicyLike = "nothing-saveable", **kwargs: Any
+    fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None, **kwargs: Any
 ) -> list[Residual]:
-    """List every tensor backward will hold for ``remat.remat(fn, policy=policy)(*args, **kwargs)``.
+    """List every tensor backward will hold for ``fn(*args, **kwargs)``.
 
-    Runs the forward once (eagerly, with grad enabled) and reads what the eager
-    engine keeps. Under ``save_last`` the region is the most recent one, so it
-    keeps everything until another ``save_last`` region runs.
+    Runs the forward once (eagerly, with grad enabled) and reads what autograd
+    and the eager engine keep. With ``policy=None`` (the default, as in JAX) ``fn``
+    is inspected as it is: a ``remat.remat``-decorated function, or a model after
+    ``remat.apply``, reports what its regions keep; a plain function reports what
+    plain autograd saves. With a policy, ``fn`` runs as one region under it. Under
+    ``save_last`` the region is the most recent one, so it keeps everything until
+    another ``save_last`` region runs. Afterwards the random generators and every
+    module buffer (BatchNorm statistics) are as they were.
 
     Args:
         fn (callable): the function (or module) to inspect.
         *args (Any): its positional arguments (pytrees allowed).
-        policy (str | Policy | callable | list of ops, optional): the policy, in any
-            form ``remat.remat`` accepts. Default: "nothing-saveable".
+        policy (str | Policy | callable | list of ops, optional): a policy, in any
+            form ``remat.remat`` accepts, to run ``fn`` as one region under; None
+            inspects ``fn`` as it is. Default: None.
         **kwargs (Any): its keyword arguments.
 
     Returns:
         list[Residual]: one entry per distinct tensor held, in the order autograd saved them.
 
+    Raises:
+        TypeError: a keyword argument that neither this function nor ``fn`` accepts.
+
     Examples:
-        >>> import torch
+        >>> import torch, remat
         >>> w = torch.randn(8, 8, requires_grad=True)
         >>> def f(x):
         ...     return torch.sin(x @ w).sum()
         >>> held = saved_residuals(f, torch.randn(4, 8), policy="dots-saveable")
         >>> [(r.shape, str(r.op), r.source) for r in held]  # doctest: +ELLIPSIS
         [((4, 8), 'None', 'argument x'), ((4, 8), 'aten.mm.default', '<doctest ...>:2 (f)')]
+        >>> as_is = saved_residuals(remat.remat(f, policy="dots-saveable"), torch.randn(4, 8))
+        >>> residual_totals(as_is) == residual_totals(held)
+        True
     """
+    check_keywords("remat.saved_residuals", fn, kwargs, ("policy",))
+    with preserved_state(fn, args, kwargs):
+        if policy is None:
+            return _as_is(fn, args, kwargs)
+        return _one_region(fn, policy, args, kwargs)
+
+
+def _one_region(
+    fn: Callable[..., Any], policy: PolicyLike, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[Residual]:
     resolved = _policies.resolve(policy)
     sources = _SourceMode()
-
-    def traced(*a: Any, **k: Any) -> Any:
-        with sources:
-            return fn(*a, **k)
-
-    region = Region(fn=traced, policy=resolved, debug=True, label=describe_callable(fn))
+    region = Region(fn=_traced(fn, sources), policy=resolved, debug=True,
+                    label=describe_callable(fn))
     frame = _InspectFrame(region, args, kwargs, _input_paths(fn, args, kwargs), _params(fn))
     with torch.enable_grad():
         out = frame.run_forward()
-    residuals = _held(frame, sources)
+    residuals = _merge(_frame_items(frame, sources.lines), frame.base)
     del out  # the graph (and the holders in it) lived until the holders were read
     return residuals
 
 
+def _as_is(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Residual]:
+    """Inspect ``fn`` with its own regions (NOTE [ Inspecting a function as it is ])."""
+    inspection = _AsIs(_input_paths(fn, args, kwargs), _params(fn))
+    try:
+        with inspection.running():
+            out = fn(*args, **kwargs)
+    except RuntimeError as error:
+        if _HOOKS_REFUSED not in str(error) or isinstance(error, RematError):
+            raise
+        raise RematError(
+            f"remat.saved_residuals: {describe_callable(fn)} runs a torch.func transform "
+            "(grad, vjp, jacrev, ...), or a region on the torch.func engine "
+            "(engine='functional'), and torch.func refuses the saved-tensor hooks that "
+            "inspection reads what autograd saves with. Inspect the function the transform "
+            "differentiates instead (for a region: with engine='auto', the default)."
+        ) from error
+    residuals = inspection.residuals()
+    del out
+    return residuals
+
+
 def print_saved_residuals(
-    fn: Callable[..., Any], *args: Any, policy: PolicyLike = "nothing-saveable", **kwargs: Any
+    fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None, **kwargs: Any
 ) -> None:
-    """Print what backward holds for ``fn`` under ``policy``, with totals per decision.
+    """Print what backward holds for ``fn`` (under ``policy``, if given), with totals.
 
     Takes the same arguments as `saved_residuals`.
 
     Examples:
-        >>> import torch
+        >>> import torch, remat
         >>> def f(x):
         ...     return torch.sin(torch.sin(x)).sum()
-        >>> print_saved_residuals(f, torch.ones(4, requires_grad=True))  # doctest: +ELLIPSIS
+        >>> x = torch.ones(4, requires_grad=True)
+        >>> print_saved_residuals(f, x)  # doctest: +ELLIPSIS
+        shape  dtype    bytes  decision  produced by  source
+        (4,)   float32     16  input     -            argument x
+        (4,)   float32     16  saved     sin          <doctest ...>:2 (f)
+        total: 16 B in region inputs (1 tensor); 16 B kept by the policy (saved 16 B in 1 tensor...)
+        >>> print_saved_residuals(remat.remat(f), x)
         shape  dtype    bytes  decision  produced by  source
         (4,)   float32     16  input     -            argument x
         total: 16 B in region inputs (1 tensor); 0 B kept by the policy
     """
+    check_keywords("remat.print_saved_residuals", fn, kwargs, ("policy",))
     print(format_residuals(saved_residuals(fn, *args, policy=policy, **kwargs)))
 
 
@@ -208,8 +275,11 @@ class _InspectFrame(Frame):
         self.base: dict[int, str] = {}
         for name, t in params.items():
             self.base.setdefault(_ptr(t), f"parameter {name}")
+        #: holder index -> (op, source) of an input made during an as-is inspection.
+        self.made: dict[int, tuple[Any, str]] = {}
         for t in self.inputs:
-            self.base.setdefault(_ptr(t), "argument " + input_paths.get(id(t), "?"))
+            if getattr(t, _MADE, None) is None:
+                self.base.setdefault(_ptr(t), "argument " + input_paths.get(id(t), "?"))
 
     def decide(self, t: torch.Tensor, holder: Holder) -> Decision:
         decision = super().decide(t, holder)
@@ -218,7 +288,10 @@ class _InspectFrame(Frame):
     def pack(self, t: torch.Tensor) -> Holder:
         holder = super().pack(t)
         origin = None
-        if id(t) in self.input_ids:
+        made = _made_here(t)
+        if made is not None and not holder.owned:
+            self.made[holder.index] = made  # held only for this region (NOTE [ ... as it is ] 2)
+        elif id(t) in self.input_ids:
             origin = "argument " + self.input_paths.get(id(t), "?")
         elif t.is_leaf and t.requires_grad:
             name = self.param_names.get(id(t))
@@ -233,31 +306,40 @@ class _InspectFrame(Frame):
 _Item = tuple[torch.Tensor, DecisionLike, str | None, Any, str]
 
 
-def _held(frame: _InspectFrame, sources: _SourceMode) -> list[Residual]:
+def _frame_items(frame: _InspectFrame, lines: dict[tuple[int, int], str]) -> list[_Item]:
     """Everything the frame holds: tensors in live holders and op outputs kept in the log."""
     items: list[_Item] = []
     for holder in frame.alive():  # holders autograd still references
         if isinstance(holder.tensor, torch.Tensor):
-            items.append(_holder_item(frame, holder, holder.tensor, sources))
+            items.append(_holder_item(frame, holder, holder.tensor, lines))
     log = frame.log
     assert log is not None, "this is a bug in remat, please report it"
     for index, record in enumerate(() if frame.plain else log.records):
         for position, t in enumerate(record.kept or ()):
             if t is not None:
-                where = sources.lines.get((log.serial, index), "?")
+                where = lines.get((log.serial, index), "?")
                 items.append(_op_item(t, record, position, where))
-    return _merge(items, frame.base)
+    return items
 
 
 def _holder_item(
-    frame: _InspectFrame, holder: Holder, t: torch.Tensor, sources: _SourceMode
+    frame: _InspectFrame, holder: Holder, t: torch.Tensor, lines: dict[tuple[int, int], str]
 ) -> _Item:
+    made = frame.made.get(holder.index)
+    if made is not None:
+        op, where = made
+        return (t, Decision.SAVE, None, op, f"{where}, an input of {_short(frame.region.label)}")
     origin = frame.origins.get(holder.index)
     if origin is not None or holder.source is None or frame.log is None:
         return (t, "input", None, None, origin or "captured tensor")
     record, position = holder.source
     index = next(i for i, r in enumerate(frame.log.records) if r is record)
-    return _op_item(t, record, position, sources.lines.get((frame.log.serial, index), "?"))
+    return _op_item(t, record, position, lines.get((frame.log.serial, index), "?"))
+
+
+def _short(label: str) -> str:
+    """A region's label without its file: "Block.forward" of "Block.forward (/a/b.py:3)"."""
+    return label.split(" (", 1)[0]
 
 
 def _op_item(t: torch.Tensor, record: OpRecord, position: int, where: str) -> _Item:
@@ -299,9 +381,9 @@ def _ptr(t: torch.Tensor) -> int:
 class _SourceMode(TorchDispatchMode):
     """Note the user source line of every op, by the record mode's tag (NOTE rule 3)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lines: dict[tuple[int, int], str] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.lines: dict[tuple[int, int], str] = {}
+        self.lines: dict[tuple[int, int], str] = {} if lines is None else lines
 
     def __torch_dispatch__(
         self, func: Any, types_: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -312,6 +394,121 @@ class _SourceMode(TorchDispatchMode):
             if tag is not None and tag[:2] not in self.lines:
                 self.lines[tag[:2]] = _user_frame()
         return out
+
+
+def _traced(fn: Callable[..., Any], sources: _SourceMode) -> Callable[..., Any]:
+    """``fn`` run under ``sources``, entered inside the engine's record mode (NOTE rule 3)."""
+
+    def traced(*a: Any, **k: Any) -> Any:
+        with sources:
+            return fn(*a, **k)
+
+    return traced
+
+
+#: Attribute set during an as-is inspection on every tensor an op returns: (op, source).
+_MADE = "_remat_inspect_made"
+_DETACH = torch.ops.aten.detach.default
+
+
+class _MadeMode(TorchDispatchMode):
+    """Tag each tensor an op returns with the op and its user line (NOTE [ ... as it is ] 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+
+    def __torch_dispatch__(
+        self, func: Any, types_: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        source = getattr(args[0], _MADE, None) if func is _DETACH and args else None
+        made = source or (func, _user_frame())
+        for t in optree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                setattr(t, _MADE, made)
+        return out
+
+
+def _made_here(t: torch.Tensor) -> tuple[Any, str] | None:
+    """(op, source) of a tensor made during the inspected call, unless it views one made before.
+
+    ``W.t()`` of a parameter is made in the call but holds the parameter's storage,
+    which is alive anyway.
+    """
+    made = getattr(t, _MADE, None)
+    base = t._base
+    if made is None or (base is not None and getattr(base, _MADE, None) is None):
+        return None
+    return made  # type: ignore[no-any-return]
+
+
+class _AsIs:
+    """One as-is inspection: the frames of the regions ``fn`` runs, and plain saves outside."""
+
+    def __init__(self, input_paths: dict[int, str], params: dict[str, torch.Tensor]) -> None:
+        self.input_paths = input_paths
+        self.params = params
+        self.param_names = {id(t): name for name, t in params.items()}
+        self.lines: dict[tuple[int, int], str] = {}
+        self.frames: list[_InspectFrame] = []
+        #: What autograd saved outside every region, in order.
+        self.saved: list[torch.Tensor] = []
+
+    def frame(self, region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Frame:
+        """The eager engine's frame for a region ``fn`` runs (called by ``run_eager``)."""
+        traced = dataclasses.replace(
+            region, fn=_traced(region.fn, _SourceMode(self.lines)), debug=True
+        )
+        frame = _InspectFrame(traced, args, kwargs, self.input_paths, self.params)
+        self.frames.append(frame)
+        return frame
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        previous = (local.inspecting, local.last_region, local.last_functional_log)
+        local.inspecting, local.last_region, local.last_functional_log = self, None, None
+        try:
+            with (
+                torch.enable_grad(),
+                _MadeMode(),
+                torch.autograd.graph.saved_tensors_hooks(self.pack, _identity),
+            ):
+                yield
+        finally:
+            local.inspecting, local.last_region, local.last_functional_log = previous
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.saved.append(t)
+        return t
+
+    def residuals(self) -> list[Residual]:
+        base: dict[int, str] = {}
+        for name, t in self.params.items():
+            base.setdefault(_ptr(t), f"parameter {name}")
+        items = [self.plain_item(t, base) for t in self.saved]
+        for frame in self.frames:
+            items.extend(_frame_items(frame, self.lines))
+            for ptr, origin in frame.base.items():
+                base.setdefault(ptr, origin)
+        return _merge(items, base)
+
+    def plain_item(self, t: torch.Tensor, base: dict[int, str]) -> _Item:
+        """What autograd saved outside every region: alive anyway, or made during the call."""
+        origin = None
+        if id(t) in self.input_paths:
+            origin = "argument " + self.input_paths[id(t)]
+        elif id(t) in self.param_names:
+            origin = f"parameter {self.param_names[id(t)]}"
+        made = _made_here(t)
+        if origin is None and made is not None:
+            return (t, Decision.SAVE, None, made[0], made[1])
+        origin = origin or "captured tensor"
+        base.setdefault(_ptr(t), origin)
+        return (t, "input", None, None, origin)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -366,6 +563,9 @@ def _input_paths(
 
 
 def _params(fn: Callable[..., Any]) -> dict[str, torch.Tensor]:
+    region = getattr(fn, "__remat_region__", None)  # a remat.remat wrapper: its function's
+    if isinstance(region, Region):
+        fn = region.fn
     module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
     if not isinstance(module, torch.nn.Module):
         return {}
@@ -407,149 +607,3 @@ def _human(nbytes: int) -> str:
 
 def _plural(n: int) -> str:
     return f"{n} tensor" if n == 1 else f"{n} tensors"
-
-
-# -- compare -----------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyCost:
-    """What one policy costs on one call, measured by `policy_costs`.
-
-    Attributes:
-        policy (str): the policy as given (``"none"`` for no remat).
-        held_bytes (int): bytes alive after the forward (held for backward, plus outputs).
-        peak_bytes (int): the most bytes alive during forward and backward.
-        recomputed_ops (int): aten compute ops the backward runs beyond no remat's backward.
-        time_ratio (float): median step time over no remat's, measured interleaved.
-    """
-
-    policy: str
-    held_bytes: int
-    peak_bytes: int
-    recomputed_ops: int
-    time_ratio: float
-
-
-def policy_costs(
-    fn: Callable[..., Any],
-    *args: Any,
-    policies: Sequence[Any] = ("nothing-saveable", "dots-saveable", "everything-saveable"),
-    repeats: int = 3,
-    **kwargs: Any,
-) -> list[PolicyCost]:
-    """Measure memory, recompute and time of ``fn``'s forward+backward under each policy.
-
-    The first row is always no remat (``"none"``). The loss is the sum of every
-    floating-point tensor ``fn`` returns. Memory is exact on CPU (tensor storages;
-    the arguments and parameters are the baseline, not counted) and comes from
-    the CUDA allocator on CUDA.
-
-    Args:
-        fn (callable): the function or module.
-        *args (Any): its positional arguments.
-        policies (sequence, optional): policies in any form ``remat.remat`` accepts.
-        repeats (int, optional): timed repetitions per policy, interleaved. Default: 3.
-        **kwargs (Any): its keyword arguments.
-
-    Returns:
-        list[PolicyCost]: no remat first, then one row per policy.
-
-    Examples:
-        >>> import torch
-        >>> w = torch.randn(16, 16, requires_grad=True)
-        >>> rows = policy_costs(lambda x: torch.tanh(x @ w) @ w, torch.randn(4, 16),
-        ...                     policies=["nothing-saveable"], repeats=1)
-        >>> [r.policy for r in rows], rows[1].held_bytes < rows[0].held_bytes
-        (['none', 'nothing-saveable'], True)
-    """
-    from .._api import remat as remat_fn
-    from .memory import measure_memory
-
-    variants = [("none", fn)] + [(_label(p), remat_fn(fn, policy=p)) for p in policies]
-    steps = [(label, _loss_fn(g, kwargs)) for label, g in variants]
-    memory = {label: measure_memory(step, *args) for label, step in steps}
-    ops = {label: _backward_ops(step, args) for label, step in steps}
-    times: dict[str, list[float]] = collections.defaultdict(list)
-    for _ in range(max(1, repeats)):
-        for label, step in steps:
-            start = time.perf_counter()
-            step(*args).backward()
-            times[label].append(time.perf_counter() - start)
-    base = statistics.median(times["none"])
-    return [
-        PolicyCost(
-            label,
-            memory[label].held_bytes,
-            memory[label].peak_bytes,
-            ops[label] - ops["none"],
-            statistics.median(times[label]) / base,
-        )
-        for label, _ in steps
-    ]
-
-
-def compare(
-    fn: Callable[..., Any],
-    *args: Any,
-    policies: Sequence[Any] = ("nothing-saveable", "dots-saveable", "everything-saveable"),
-    repeats: int = 3,
-    **kwargs: Any,
-) -> list[PolicyCost]:
-    """Print a table of what each policy costs on ``fn(*args, **kwargs)``; return its rows.
-
-    Takes the same arguments as `policy_costs`.
-
-    Examples:
-        >>> import torch
-        >>> w = torch.randn(16, 16, requires_grad=True)
-        >>> rows = compare(lambda x: torch.tanh(x @ w), torch.randn(4, 16),
-        ...                policies=["nothing-saveable"], repeats=1)  # doctest: +ELLIPSIS
-        policy            held bytes  peak bytes  recomputed ops  time vs none
-        none                     ...
-    """
-    rows = policy_costs(fn, *args, policies=policies, repeats=repeats, **kwargs)
-    print(format_costs(rows))
-    return rows
-
-
-def format_costs(rows: Sequence[PolicyCost]) -> str:
-    """Format `policy_costs` rows as a plain-text table.
-
-    Examples:
-        >>> print(format_costs([PolicyCost("none", 2048, 4096, 0, 1.0)]))
-        policy  held bytes  peak bytes  recomputed ops  time vs none
-        none         2,048       4,096               0         1.00x
-    """
-    header = ("policy", "held bytes", "peak bytes", "recomputed ops", "time vs none")
-    cells = [header] + [
-        (
-            r.policy,
-            f"{r.held_bytes:,}",
-            f"{r.peak_bytes:,}",
-            f"{r.recomputed_ops:,}",
-            f"{r.time_ratio:.2f}x",
-        )
-        for r in rows
-    ]
-    return _table(cells, numeric={1, 2, 3, 4})
-
-
-def _label(policy: Any) -> str:
-    return policy if isinstance(policy, str) else repr(_policies.resolve(policy))
-
-
-def _loss_fn(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., torch.Tensor]:
-    def loss(*args: Any) -> torch.Tensor:
-        leaves = optree.tree_leaves(fn(*args, **kwargs))
-        floats = [t.sum() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        return torch.stack(floats).sum()
-
-    return loss
-
-
-def _backward_ops(step: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> int:
-    loss = step(*args)
-    with ComputeOpCounter() as counter:
-        loss.backward()
-    return int(counter.count)

@@ -58,12 +58,12 @@ class SaveLast(Policy):
         return "save_last"
 
 
-#: Save every output (same memory as no remat).
 everything_saveable: Policy = EverythingSaveable()
-#: Save nothing but the region's inputs (the default).
+"""Save every output (same memory as no remat)."""
 nothing_saveable: Policy = NothingSaveable()
-#: Keep all outputs of the most recently executed region; every other region recomputes.
+"""Save nothing but the region's inputs (the default)."""
 save_last: Policy = SaveLast()
+"""Keep all outputs of the most recently executed region; every other region recomputes."""
 
 
 # ---------------------------------------------------------------------------
@@ -113,16 +113,16 @@ class Dots(Policy):
         return f"offload_dot_with_no_batch_dims(offload_dst={self.offload_dst!r})"
 
 
-#: Save the outputs of matmuls, convolutions and attention kernels.
 dots_saveable: Policy = Dots()
-#: Save the outputs of dots without batch dimensions (``mm``, ``addmm``; every ``Linear``).
+"""Save the outputs of matmuls, convolutions and attention kernels."""
 dots_with_no_batch_dims_saveable: Policy = Dots(batch_dims=False)
-#: JAX's old name of :data:`dots_saveable`.
+"""Save the outputs of dots without batch dimensions (``mm``, ``addmm``; every ``Linear``)."""
 checkpoint_dots: Policy = dots_saveable
-#: JAX's old name of :data:`dots_with_no_batch_dims_saveable`.
+"""JAX's old name of `dots_saveable`."""
 checkpoint_dots_with_no_batch_dims: Policy = dots_with_no_batch_dims_saveable
-#: Like :data:`dots_saveable`, but offload the dots' outputs to pinned host memory.
+"""JAX's old name of `dots_with_no_batch_dims_saveable`."""
 offload_dots: Policy = Dots(decision=Decision.OFFLOAD)
+"""Like `dots_saveable`, but offload the dots' outputs to pinned host memory."""
 
 
 def offload_dot_with_no_batch_dims(offload_dst: str = "cpu") -> Policy:
@@ -266,9 +266,10 @@ def save_any_names_but_these(*names: str) -> Policy:
     Returns:
         Policy: the policy.
 
-    >>> p = save_any_names_but_these("a")
-    >>> [p.decide(Decision.RECOMPUTE, n).name for n in ("a", "b", None)]
-    ['RECOMPUTE', 'SAVE', 'RECOMPUTE']
+    Examples:
+        >>> p = save_any_names_but_these("a")
+        >>> [p.decide(Decision.RECOMPUTE, n).name for n in ("a", "b", None)]
+        ['RECOMPUTE', 'SAVE', 'RECOMPUTE']
     """
     return SaveAnyNamesButThese(_check_names("save_any_names_but_these", names))
 
@@ -285,9 +286,10 @@ def save_anything_except_these_names(*names: str) -> Policy:
     Returns:
         Policy: the policy.
 
-    >>> p = save_anything_except_these_names("a")
-    >>> [p.decide(p.decide_op(None, (), {}), n).name for n in ("a", "b", None)]
-    ['RECOMPUTE', 'SAVE', 'SAVE']
+    Examples:
+        >>> p = save_anything_except_these_names("a")
+        >>> [p.decide(p.decide_op(None, (), {}), n).name for n in ("a", "b", None)]
+        ['RECOMPUTE', 'SAVE', 'SAVE']
     """
     return SaveAnythingExceptTheseNames(_check_names("save_anything_except_these_names", names))
 

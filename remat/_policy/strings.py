@@ -68,8 +68,9 @@ def names() -> list[str]:
     Returns:
         list[str]: the names, built-in and registered.
 
-    >>> names()[:3]
-    ['dots-no-batch-saveable', 'dots-saveable', 'dots-with-no-batch-dims-saveable']
+    Examples:
+        >>> names()[:3]
+        ['dots-no-batch-saveable', 'dots-saveable', 'dots-with-no-batch-dims-saveable']
     """
     return sorted(_REGISTRY)
 

@@ -232,6 +232,8 @@ class OpLog:
         #: Kept outputs by storage address: an in-place write through any alias of
         #: one (even an alias with its own version counter) makes it unreplayable.
         self.kept_storages: dict[int, list[tuple[OpRecord, int]]] = {}
+        #: Every ``checkpoint_name`` given in this forward (NOTE [ Names that match nothing ]).
+        self.names_seen: set[str] = set()
 
     def record(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         index = len(self.records)
@@ -334,6 +336,7 @@ class OpLog:
 
     def name(self, tensor: torch.Tensor, name: str) -> None:
         """Apply the policy's decision for a value tagged ``name``."""
+        self.names_seen.add(name)
         tensor = physical(tensor)
         found = self.lookup(tensor)
         if found is None:
