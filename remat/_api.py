@@ -14,6 +14,7 @@ from . import policies
 from ._compile import uncompiled
 from ._engines.eager import TorchFuncInsideError, run_eager
 from ._engines.lowered import contexts_for, lowers, run_lowered
+from ._engines.lowered_names import traced_name
 from ._engines.region import Region, describe_callable
 from ._errors import RematError
 from ._offload.store import HostStore
@@ -402,7 +403,7 @@ def checkpoint_name(x: T, name: str) -> T:
     if not isinstance(name, str):
         raise TypeError(f"remat.checkpoint_name: name must be a str, got {name!r}")
     if torch.compiler.is_compiling():
-        return x  # name policies are not lowered: they run eagerly (see ``_engines/lowered.py``)
+        return traced_name(x, name)  # NOTE [ Names under torch.compile ]
     if local.recorders:
         recorder = local.recorders[-1]
         for leaf in tensor_leaves(x):

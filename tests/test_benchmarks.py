@@ -65,3 +65,24 @@ def test_checks_cost_runs_and_remat_holds_less_in_eager() -> None:
     peaks = result["peaks"]
     assert peaks[("eager", "nothing-saveable")] < peaks[("eager", None)]
     assert "check on / off" in out.getvalue()
+
+
+def test_compile_names_bench_saves_what_the_eager_engine_holds() -> None:
+    with contextlib.redirect_stdout(io.StringIO()):
+        results = load("compile_names").main(small=True)
+    rows = {row["policy"]: row for row in results["rows"]}
+    assert all(row["graphs"] == 1 for row in rows.values())  # names lower: no graph break
+    assert all(max(row["compiled_grad_diff"], row["eager_grad_diff"]) < 1e-5
+               for row in rows.values())
+    # Outside the regions the partitioner makes its own choices: the offset of
+    # nothing-saveable. The save:/save-except: rows differ from the eager engine
+    # by that offset only; dots-saveable + a name, exactly as the eager engine.
+    offset = rows["nothing-saveable"]["compiled_saved_bytes"] - rows["nothing-saveable"][
+        "eager_held_bytes"]
+    for policy in ("save:attn_out", "save:mlp_hidden", "save:attn_out,mlp_hidden",
+                   "save-except:attn_out"):
+        row = rows[policy]
+        assert row["compiled_saved_bytes"] - row["eager_held_bytes"] == offset, policy
+    both = rows["dots-saveable+save:mlp_hidden"]
+    assert both["compiled_saved_bytes"] == both["eager_held_bytes"]
+    assert both["compiled_saved_bytes"] > rows["dots-saveable"]["compiled_saved_bytes"]

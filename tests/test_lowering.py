@@ -279,7 +279,7 @@ def test_inside_a_lowered_region_the_outer_policy_decides(inner: str) -> None:
     assert graphs.count(graphs.backward, MM) == 8 + 4
 
 
-@pytest.mark.parametrize("policy", ["save:hidden", "save-last", "offload-dots"])
+@pytest.mark.parametrize("policy", ["offload:hidden", "save-last", "offload-dots"])
 def test_other_policies_stay_graph_breaks(policy: str) -> None:
     region = remat.remat(block, policy=policy)
     compiled = torch.compile(two_blocks(region), backend="aot_eager", fullgraph=True)

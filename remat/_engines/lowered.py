@@ -2,7 +2,7 @@
 
 NOTE [ Lowering under torch.compile ]
 1. When Dynamo traces a region call that `lowers` (``engine="auto"``, no
-   ``torch.func`` transform, a policy `lowerable` says yes to), the call
+   ``torch.func`` transform, a policy whose `Policy.lowers` says yes), the call
    becomes ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False,
    context_fn=...)`` whose selective-checkpoint policy is the region's:
    ``SAVE`` is ``MUST_SAVE``, ``RECOMPUTE`` is ``PREFER_RECOMPUTE``. Dynamo
@@ -11,13 +11,21 @@ NOTE [ Lowering under torch.compile ]
    rest inside the compiled backward graph. ``fullgraph=True`` works.
 2. As in the engines (NOTE [ Record and replay ] rule 4), random and in-place
    ops are recomputed whatever the policy says.
-3. Lowerable policies decide by op alone and never ``OFFLOAD``:
+3. A policy answers for itself whether it lowers (`Policy.lowers`, False
+   unless a policy says otherwise, so a new policy is never lowered by
+   mistake). Those that do decide by op and name alone and never ``OFFLOAD``:
    ``everything-saveable``, ``nothing-saveable``, the dots policies,
-   `save_these_ops` and their sums. The others keep the graph break of
-   ``_compile.py`` and run in the eager engine: name policies
-   (`checkpoint_name` is Python, invisible to the compiled graph), ``save-last``
-   (the last region is known only at run time), offload (the host store is
-   ours) and callables (they may read data or return ``OFFLOAD``).
+   `save_these_ops`, the name policies (``save:``, ``save-except:``,
+   ``everything-except:``; NOTE [ Names under torch.compile ]) and their sums.
+   The others keep the graph break of ``_compile.py`` and run in the eager
+   engine: offload (torch 2.13's partitioner does not act on
+   ``MUST_CPU_OFFLOAD`` tags; its activation offloading is a testing flag with
+   its own choice of values, so a lowered ``OFFLOAD`` would keep or recompute
+   the value instead), callables (they may read data or return ``OFFLOAD``)
+   and ``save-last``: its last region is the most recent region *call* at run
+   time, across graphs and graph breaks, while a lowered region's tags are
+   fixed when Dynamo traces its call, before it can know whether another
+   region follows in the same graph (or after the next graph break).
 4. ``everything-saveable`` runs ``fn`` as is: plain autograd.
 5. Nested regions: inside a lowered region every region (lowerable or not)
    runs its function plainly, so the outer policy decides every op: the
@@ -50,12 +58,16 @@ NOTE [ Lowering under torch.compile ]
    guarantees, as a graph break would have given it) and leaves torch's
    checkpoint an empty shell: its forward mode passes ops through, and as no
    tensor is saved under its hooks it never recomputes.
+10. View ops are never kept: a kept view keeps its base's storage (a value
+    the policy recomputes, under ``everything-except:NAME``) and is a second
+    entry for it beside a kept base; recomputed from its base, it is free.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -64,11 +76,10 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .._policy.adapters import SaveTheseOps
 from .._policy.base import Decision, Policy
-from .._policy.library import Dots, EverythingSaveable, NothingSaveable, SaveFromBothPolicies
 from .._replay.log import _draws_random, _traits
 from .._replay.rng import RngState
+from .lowered_names import NAME_OP, Producers, naming
 from .region import Region
 
 __all__ = ["contexts_for", "lowers", "run_lowered"]
@@ -76,15 +87,6 @@ __all__ = ["contexts_for", "lowers", "run_lowered"]
 #: Lowered regions being traced around this call (NOTE rule 5). A list, not a
 #: thread-local: Dynamo tracks mutations of module-level lists while tracing.
 _depth = [0]
-
-
-def _lowerable(policy: Policy) -> bool:
-    """Whether ``policy`` has a selective-checkpoint equivalent (NOTE rule 3)."""
-    if isinstance(policy, SaveFromBothPolicies):
-        return _lowerable(policy.a) and _lowerable(policy.b)
-    if isinstance(policy, Dots):
-        return policy.decision is Decision.SAVE
-    return isinstance(policy, (EverythingSaveable, NothingSaveable, SaveTheseOps))
 
 
 def lowers(region: Region) -> bool:
@@ -124,12 +126,14 @@ def run_lowered(
     body = functools.partial(_body, fn, eager, kwargs)
     context_fn: Any = region.selective
     _depth[0] += 1
+    naming[0] = region.policy.uses_names
     try:
         return torch_checkpoint.checkpoint(
             body, *args, use_reentrant=False, context_fn=context_fn
         )
     finally:
         _depth[0] -= 1
+        naming[0] = False
 
 
 def _body(fn: Callable[..., Any], eager: Eager, kwargs: dict[str, Any], *args: Any) -> Any:
@@ -152,14 +156,20 @@ class _SelectivePolicy:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
 
-    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    def verdict(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The policy's verdict on ``op``, or None for an op never kept (NOTE rule 2)."""
         if not isinstance(op, torch._ops.OpOverload):
-            return CheckpointPolicy.PREFER_RECOMPUTE  # a higher-order op
+            return None  # a higher-order op
         traits = _traits(op)
         if traits.writes or _draws_random(traits, args, kwargs):
-            return CheckpointPolicy.PREFER_RECOMPUTE  # NOTE rule 2
-        policy = self.policy
-        if policy.decide(policy.decide_op(op, args, kwargs), None) is not Decision.SAVE:
+            return None
+        if op.is_view:
+            return None  # NOTE rule 10: recomputed from its base, for nothing
+        return self.policy.decide_op(op, args, kwargs)
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        verdict = self.verdict(op, args, kwargs)
+        if verdict is None or self.policy.decide(verdict, None) is not Decision.SAVE:
             return CheckpointPolicy.PREFER_RECOMPUTE
         several = isinstance(getattr(ctx, "op_output", None), (tuple, list))
         if several and torch._functorch.config.activation_memory_budget < 1:
@@ -181,12 +191,30 @@ class _ForwardMode(torch_checkpoint._CachingTorchDispatchMode):
     #: Remat's engine runs the region inside: pass every op through (NOTE rule 9).
     shell = False
 
+    def __init__(self, policy_fn: _SelectivePolicy, storage: Any) -> None:
+        super().__init__(policy_fn, storage)
+        self.selective = policy_fn
+        #: The ops behind named values, for a policy that reads names.
+        self.producers = Producers(policy_fn.policy) if policy_fn.policy.uses_names else None
+
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         if self.shell:
             return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
+        if func is NAME_OP:
+            if self.producers is not None:
+                self.producers.name(args[0], args[1])
+            return args[0]  # NOTE [ Names under torch.compile ] rule 4
+        graph = None if self.producers is None else Producers.graph()
+        if graph is None or self.producers is None:
+            return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
+        before = len(graph.nodes)
+        out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
+        new = list(itertools.islice(reversed(graph.nodes), len(graph.nodes) - before))
+        self.producers.retag_view(func, args, new)
+        self.producers.record(out, self.selective.verdict(func, args, kwargs or {}), new)
+        return out
 
     def __enter__(self) -> Any:
         if not torch.compiler.is_compiling():
@@ -206,6 +234,13 @@ class _RecomputeMode(torch_checkpoint._CachedTorchDispatchMode):
         super().__init__(None, storage)
         self.forward = forward
         self._restored: Any = None
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if func is NAME_OP:
+            return args[0]  # as in the forward: NOTE [ Names under torch.compile ] rule 4
+        return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
 
     def __enter__(self) -> Any:
         if self.forward.rng is not None:
@@ -229,7 +264,7 @@ def contexts_for(policy: Policy) -> Callable[[], tuple[Any, Any]] | None:
     ``context_fn`` made while tracing), as a ``functools.partial`` of a module
     function (it refuses a callable object; a local function would not pickle).
     """
-    if not _lowerable(policy):
+    if not policy.lowers:
         return None
     return functools.partial(_modes, _SelectivePolicy(policy))
 

@@ -26,6 +26,10 @@ class SaveTheseOps(Policy):
 
     uses_ops = True
 
+    @property
+    def lowers(self) -> bool:
+        return True
+
     def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         if op in self.ops or getattr(op, "overloadpacket", None) in self.ops:
             return Decision.SAVE

@@ -60,6 +60,17 @@ class Policy(abc.ABC):
         return self.decision_without_ops() is not Decision.RECOMPUTE
 
     @property
+    def lowers(self) -> bool:
+        """Whether ``torch.compile`` can carry this policy inside its graph.
+
+        A policy that says yes decides by op and name alone and never answers
+        ``OFFLOAD``: a region under it becomes a selective checkpoint in the
+        compiled graph. The default, False, keeps a graph break there (the region
+        runs in the eager engine), so a new policy is never lowered by mistake.
+        """
+        return False
+
+    @property
     def needs_op_trace(self) -> bool:
         """Whether the engine must see every op (a dispatch mode) to apply this policy."""
         return self.uses_ops or self.uses_names

@@ -18,6 +18,10 @@ from .base import Decision, Policy, _check_dst, _check_names, _names_repr
 class EverythingSaveable(Policy):
     """Save every output (same memory as no remat)."""
 
+    @property
+    def lowers(self) -> bool:
+        return True
+
     def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         return Decision.SAVE
 
@@ -31,6 +35,10 @@ class EverythingSaveable(Policy):
 @dataclasses.dataclass(frozen=True, repr=False)
 class NothingSaveable(Policy):
     """Save nothing but the region's inputs (the default)."""
+
+    @property
+    def lowers(self) -> bool:
+        return True
 
     def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         return Decision.RECOMPUTE
@@ -97,6 +105,10 @@ class Dots(Policy):
         object.__setattr__(self, "decision", Decision(self.decision))
         object.__setattr__(self, "offload_dst", _check_dst("Dots", self.offload_dst))
 
+    @property
+    def lowers(self) -> bool:
+        return self.decision is Decision.SAVE  # offload is the eager engine's host store
+
     def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         hit = _ops.is_dot(op) if self.batch_dims else _ops.is_dot_without_batch_dims(op)
         return self.decision if hit else Decision.RECOMPUTE
@@ -160,6 +172,10 @@ class SaveOnlyTheseNames(Policy):
 
     uses_names = True
 
+    @property
+    def lowers(self) -> bool:
+        return True
+
     def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         return Decision.RECOMPUTE
 
@@ -177,6 +193,10 @@ class SaveAnyNamesButThese(Policy):
     names: tuple[str, ...]
 
     uses_names = True
+
+    @property
+    def lowers(self) -> bool:
+        return True
 
     def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         return Decision.RECOMPUTE
@@ -198,6 +218,10 @@ class SaveAnythingExceptTheseNames(Policy):
 
     uses_names = True
 
+    @property
+    def lowers(self) -> bool:
+        return True
+
     def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         return Decision.SAVE
 
@@ -217,6 +241,10 @@ class SaveAndOffloadOnlyTheseNames(Policy):
     offload_dst: str = "cpu"
 
     uses_names = True
+
+    @property
+    def lowers(self) -> bool:
+        return not self.names_which_can_be_offloaded  # offload: the eager engine's store
 
     def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         return Decision.RECOMPUTE
@@ -352,6 +380,10 @@ class SaveFromBothPolicies(Policy):
                 f"places ({self.a.offload_dst!r} and {self.b.offload_dst!r}); use one offload_dst."
             )
         object.__setattr__(self, "offload_dst", self.a.offload_dst)
+
+    @property
+    def lowers(self) -> bool:
+        return self.a.lowers and self.b.lowers
 
     def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         return (self.a.decide_op(op, args, kwargs), self.b.decide_op(op, args, kwargs))
