@@ -382,7 +382,9 @@ def checkpoint_name(x: T, name: str) -> T:
     An identity: it returns ``x`` itself. Inside a rematerialized region, the
     policy then decides what happens to that value by its name
     (``"save:attn_out"``, `remat.policies.save_only_these_names`, ...). Outside
-    any region it does nothing.
+    any region it does nothing. Under ``torch.compile`` the name reaches the
+    compiled graph of a region whose policy reads names, which saves or
+    recomputes the tagged value as the policy says (no copy either way).
 
     Args:
         x (Tensor | pytree): the value to tag.

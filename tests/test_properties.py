@@ -160,11 +160,16 @@ COMPILED_POLICIES = [
     "everything-saveable",
     "nothing-saveable+dots-saveable",
     "save:a",
+    "save:a,b",
+    "save-except:a",
+    "everything-except:b",
+    "dots-saveable+save:b",
     "save-last",
+    "offload:a+dots-saveable",
 ]
 
 
-@settings(deadline=None, max_examples=10)
+@settings(deadline=None, max_examples=12)
 @given(
     steps=programs,
     policy=st.sampled_from(COMPILED_POLICIES),

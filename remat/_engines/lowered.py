@@ -212,7 +212,6 @@ class _ForwardMode(torch_checkpoint._CachingTorchDispatchMode):
         before = len(graph.nodes)
         out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
         new = list(itertools.islice(reversed(graph.nodes), len(graph.nodes) - before))
-        self.producers.retag_view(func, args, new)
         self.producers.record(out, self.selective.verdict(func, args, kwargs or {}), new)
         return out
 

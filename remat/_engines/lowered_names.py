@@ -21,13 +21,15 @@ NOTE [ Names under torch.compile ]
    through ``get_proxy_mode()``, as ``torch.utils.checkpoint``'s forward mode
    (torch 2.13) reaches it to tag the op it decides.
 4. The name op never runs its kernel inside a region: the region's modes
-   answer it with its input, which the op's autograd (a ``Function``) turns
-   into a view of the input. No copy is made, the graph holds a free
-   ``aten.view``, and an in-place write to the named value bumps the
-   producer's version counter as in eager mode (autograd raises where it would
-   without remat). Its fake kernel serves Dynamo's tracing; its real kernel, a
-   copy (a custom op may not return an alias of its input), serves a call
-   outside any region's modes, which remat never makes.
+   answer it with its input. Its output is not used: `checkpoint_name`
+   returns ``x`` itself, as in eager mode, so the named value is the
+   producer's own tensor (no copy, no view; an in-place write to it is what it
+   is without remat), and the op is registered with
+   ``torch.fx.node.has_side_effect`` so that dead-code elimination keeps it in
+   Dynamo's graph until AOTAutograd's trace has seen it. No node for it
+   reaches AOTAutograd's graphs. Its fake kernel serves Dynamo's tracing; its
+   real kernel, a copy (a custom op may not return an alias of its input),
+   serves a call outside any region's modes, which remat never makes.
 5. Random and in-place producers keep their ``PREFER_RECOMPUTE`` (NOTE
    [ Lowering under torch.compile ] rule 2), as the eager engine keeps them
    unnamed. A name on a region input or a closed-over tensor changes nothing:
@@ -70,19 +72,21 @@ _checkpoint_name.register_autograd(_backward)
 
 #: The name op as the dispatch modes see it.
 NAME_OP: Any = torch.ops.remat.checkpoint_name.default
+torch.fx.node.has_side_effect(NAME_OP)  # its output is unused (NOTE rule 4)
 
 
 def traced_name(x: T, name: str) -> T:
-    """`checkpoint_name` while Dynamo traces: the name op where it matters (NOTE rule 1)."""
-    if not naming[0]:
-        return x
-    if isinstance(x, torch.Tensor):
-        named: T = _checkpoint_name(x, name)
-        return named
-    tree: T = torch.utils._pytree.tree_map_only(
-        torch.Tensor, lambda leaf: _checkpoint_name(leaf, name), x
-    )
-    return tree
+    """`checkpoint_name` while Dynamo traces: the name op where it matters (NOTE rule 1).
+
+    The op's output is not used: ``x`` itself goes on, as in eager mode (NOTE
+    rule 4), and the op is marked a side effect so the graph keeps it.
+    """
+    if naming[0]:
+        leaves = [x] if isinstance(x, torch.Tensor) else torch.utils._pytree.tree_leaves(x)
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                _checkpoint_name(leaf, name)
+    return x
 
 
 class Producers:
@@ -93,8 +97,6 @@ class Producers:
         #: ``id(output)`` -> (output, its verdict or None when never kept, its
         #: op's nodes, whether the op has several outputs).
         self._nodes: dict[int, tuple[torch.Tensor, Any, list[torch.fx.Node], bool]] = {}
-        #: The value just named, until the next op (`retag_view`).
-        self._view_of: torch.Tensor | None = None
 
     @staticmethod
     def graph() -> torch.fx.Graph | None:
@@ -130,19 +132,3 @@ class Producers:
             tag = CheckpointPolicy.PREFER_SAVE if found[3] and budget < 1 else tag.MUST_SAVE
         for node in found[2]:
             node.meta["recompute"] = tag
-        self._view_of = tensor
-
-    def retag_view(self, func: Any, args: tuple[Any, ...], new: list[torch.fx.Node]) -> None:
-        """Recompute the view that stands for a named value (NOTE rule 4).
-
-        Autograd makes that view (``aten.view``) right after the name op. The
-        policy's verdict on ``aten.view`` would decide for it otherwise: a kept
-        view keeps the storage of a producer the name recomputes, and beside a
-        kept producer it is a second entry for the same storage. Recomputed
-        from its producer, it costs nothing.
-        """
-        pending, self._view_of = self._view_of, None
-        if pending is None or func is not torch.ops.aten.view.default or args[0] is not pending:
-            return
-        for node in new:
-            node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
