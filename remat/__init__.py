@@ -11,6 +11,7 @@ from . import testing as testing
 from ._api import checkpoint as checkpoint
 from ._api import checkpoint_name as checkpoint_name
 from ._api import remat as remat
+from ._budget_plans import BudgetPlan as BudgetPlan
 from ._capture.module_state import register_stateful as register_stateful
 from ._errors import NondeterministicRecomputeError as NondeterministicRecomputeError
 from ._errors import RematError as RematError
@@ -36,6 +37,7 @@ from ._offload.store import HostStore as HostStore
 from ._state import is_recomputing as is_recomputing
 
 __all__ = [
+    "BudgetPlan",
     "CudaHostStore",
     "HostStore",
     "MemoryReport",

@@ -38,6 +38,8 @@ from ._policy.adapters import save_these_ops as save_these_ops
 from ._policy.base import Decision as Decision
 from ._policy.base import Policy as Policy
 from ._policy.base import PolicyLike as PolicyLike
+from ._policy.budget import MemoryBudget as MemoryBudget
+from ._policy.budget import memory_budget as memory_budget
 from ._policy.library import Dots as Dots
 from ._policy.library import EverythingSaveable as EverythingSaveable
 from ._policy.library import NothingSaveable as NothingSaveable
@@ -90,6 +92,7 @@ __all__ = [
     "save_these_ops",
     "from_callable",
     "from_selective_checkpoint",
+    "memory_budget",
     # strings
     "resolve",
     "register",
@@ -107,4 +110,5 @@ __all__ = [
     "SaveTheseOps",
     "FromCallable",
     "FromSelectiveCheckpoint",
+    "MemoryBudget",
 ]

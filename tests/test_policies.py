@@ -27,7 +27,8 @@ VALID = (
     "everything-saveable, nothing-saveable, offload-dots, offload-dots-no-batch, save-last"
 )
 PATTERNS = (
-    "Name patterns: save:NAMES, save-except:NAMES, everything-except:NAMES, offload:NAMES, and A+B."
+    "Name patterns: save:NAMES, save-except:NAMES, everything-except:NAMES, offload:NAMES, "
+    "and A+B; memory budgets: budget:0.3 (a fraction) or budget:64MiB."
 )
 
 

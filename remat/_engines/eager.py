@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .._budget_plans import log_policy, settle
 from .._capture.closure import find_closed_over
 from .._capture.module_state import state_guard_of
 from .._compile import uncompiled
@@ -139,7 +140,11 @@ class Frame:
         self.inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         self.input_ids = {id(t) for t in self.inputs}
         policy = region.policy
-        self.log = OpLog(policy, region.label) if policy.needs_op_trace or region.debug else None
+        self.log = (
+            OpLog(log_policy(region, self.inputs, "eager"), region.label)
+            if policy.needs_op_trace or region.debug
+            else None
+        )
         self.decision = None if policy.needs_op_trace else policy.decision_without_ops()
         self.keep_all = policy.keeps_last_region
         self.holders: list[weakref.ref[Holder]] = []
@@ -342,6 +347,7 @@ class Frame:
         """Fill holders named after they were saved; release kept ops nothing reads."""
         if self.log is None:
             return
+        self.settle_budget()
         self.log.end_forward()
         check_names(self.log.policy, self.region.label, self.log.names_seen)
         # Only outputs something will read are worth a copy to the host.
@@ -366,6 +372,24 @@ class Frame:
         if not self.keep_all:
             self.release_unread()
             self.prune_offloaded()
+
+    def settle_budget(self) -> None:
+        """A memory budget's first call plans here; drop what the plan does not keep.
+
+        NOTE [ Budget plans ] in ``_budget_plans.py``: the plan reads which op
+        outputs autograd saved, and when (the holders' clocks).
+        """
+        assert self.log is not None, "this is a bug in remat, please report it"
+        alive = self.alive()
+        saved = [
+            (h.source[0].index, h.source[1], h.clock) for h in alive if h.owned and h.source
+        ]
+        outside = [h.tensor for h in alive if not h.owned and isinstance(h.tensor, torch.Tensor)]
+        dropped = settle(self.log, saved, [*self.inputs, *outside])
+        if dropped:
+            for holder in alive:
+                if holder.owned and holder.source and holder.source[0].index in dropped:
+                    holder.tensor = None
 
     def named_to_recompute(self, holder: Holder) -> bool:
         """Whether a name given after ``holder`` was packed makes the policy recompute it."""

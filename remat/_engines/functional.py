@@ -127,6 +127,7 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from .._budget_plans import log_policy, settle
 from .._capture.closure import Bindings, find_closed_over
 from .._capture.module_state import state_guard_of
 from .._compile import uncompiled
@@ -459,10 +460,12 @@ class _Call:
                 if not policy.needs_op_trace and not policy.keeps_last_region:
                     out = self.run(tensors)
                 else:
-                    self.log = _new_log(self.region)
+                    self.log = _new_log(self.region, tensors)
                     with RecordMode(self.log):
                         out = self.run_as_differentiated(tensors)
                     check_names(self.log.policy, self.region.label, self.log.names_seen)
+                    # A memory budget plans its first call here (NOTE [ Budget plans ]).
+                    settle(self.log, None, tensors)
         finally:
             self.guard = None
         self.rng_after = self.rng.now() if self.rng is not None else None
@@ -1227,10 +1230,10 @@ class _KeepAll(Policy):
         return Decision.SAVE
 
 
-def _new_log(region: Region) -> OpLog:
+def _new_log(region: Region, tensors: Sequence[torch.Tensor]) -> OpLog:
     policy = region.policy
     if not policy.keeps_last_region:
-        return OpLog(policy, region.label)
+        return OpLog(log_policy(region, tensors, "functional"), region.label)
     previous = local.last_functional_log() if local.last_functional_log is not None else None
     if previous is not None:
         _demote(previous)

@@ -39,10 +39,22 @@ class Policy(abc.ABC):
     keeps_last_region: bool = False
     #: Where ``OFFLOAD`` decisions send values ("cpu": pinned host memory).
     offload_dst: str = "cpu"
+    #: True for a memory budget's first call: the log keeps every op's input shapes.
+    plans_from_log: bool = False
 
     @abc.abstractmethod
     def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         """Return this policy's verdict on one op (``op`` is None when ``uses_ops`` is false)."""
+
+    def decide_record(
+        self, index: int, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Hashable:
+        """The verdict on the op at position ``index`` of a region's forward.
+
+        Policies that decide by op alone (all but a memory budget's plan) ignore
+        the position.
+        """
+        return self.decide_op(op, args, kwargs)
 
     @abc.abstractmethod
     def decide(self, verdict: Hashable, name: str | None) -> Decision:

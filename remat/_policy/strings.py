@@ -16,6 +16,7 @@ from .adapters import (
     save_these_ops,
 )
 from .base import Policy, PolicyLike
+from .budget import memory_budget, parse_budget
 from .library import (
     dots_saveable,
     dots_with_no_batch_dims_saveable,
@@ -54,7 +55,8 @@ _PATTERNS: dict[str, Callable[[tuple[str, ...]], Policy]] = {
     "offload": lambda ns: save_and_offload_only_these_names(names_which_can_be_offloaded=ns),
 }
 _PATTERNS_HELP = (
-    "Name patterns: save:NAMES, save-except:NAMES, everything-except:NAMES, offload:NAMES, and A+B."
+    "Name patterns: save:NAMES, save-except:NAMES, everything-except:NAMES, offload:NAMES, "
+    "and A+B; memory budgets: budget:0.3 (a fraction) or budget:64MiB."
 )
 
 
@@ -127,6 +129,8 @@ def _resolve_one(text: str) -> Policy:
         raise _unknown(text, key, names())
     keyword, _, rest = text.partition(":")
     key = _normalize(keyword)
+    if key == "budget":
+        return parse_budget(text, rest)
     if key not in _PATTERNS:
         close = difflib.get_close_matches(key, list(_PATTERNS), n=1)
         guess = [f"{close[0]}:{rest}"] if close else []
@@ -160,6 +164,7 @@ _FACTORIES: dict[Any, str] = {
     save_these_ops: "save_these_ops(torch.ops.aten.mm)",
     from_callable: "from_callable(my_policy_fn)",
     from_selective_checkpoint: "from_selective_checkpoint(my_policy_fn)",
+    memory_budget: "memory_budget(0.3)",
 }
 
 

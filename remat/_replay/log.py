@@ -255,13 +255,16 @@ class OpLog:
             verdict: Hashable = None
             decision = Decision.RECOMPUTE
         else:
-            verdict = self.policy.decide_op(op, args, kwargs)
+            verdict = self.policy.decide_record(index, op, args, kwargs)
             decision = self.policy.decide(verdict, None)
         rec = OpRecord(op, verdict, decision, index)
         rec.inputs, rec.scalars = _scan(args, kwargs, self.serial)
         rec.metas = tuple([(t.shape, t.stride(), t.dtype) for t in outputs])
         rec.always_live = effectful or traits.reads_data
-        if not effectful and (decision is not Decision.RECOMPUTE or self.policy.uses_names):
+        if self.policy.plans_from_log or (
+            not effectful and (decision is not Decision.RECOMPUTE or self.policy.uses_names)
+        ):
+            # Also for a budget plan's cost estimate; an effectful op is never replayed.
             rec.input_shapes = arg_shapes(args, kwargs)
         self.records.append(rec)
         # A named output of a multi-output op (attention's output beside its

@@ -1,0 +1,334 @@
+"""Budget plans: how the engines apply a `MemoryBudget` (one plan per region and signature).
+
+NOTE [ Budget plans ]
+1. When a region's policy is a memory budget, each call's op log gets a
+   policy of its own (`log_policy`), looked up by the call's *signature*: the
+   engine, the shapes, dtypes, devices and ``requires_grad`` of the tensor
+   inputs, a module's parameters' ``requires_grad`` (freezing changes what
+   autograd saves) and the autocast state.
+2. First call with a signature: `Planning` keeps every output (the forward
+   runs as everything-saveable would). When the forward ends the engine calls
+   `settle`: the log and the values autograd saved become a `Program`, the
+   planner chooses the kept set (``_planner.py``), the plan is cached, and the
+   records it drops are released at once (the eager engine empties their
+   holders). So the first call with a new signature peaks like no remat in its
+   forward; what it holds for backward, like every later call, is the plan's.
+3. Later calls: `Planned` decides by position in the op sequence from the
+   plan. A call whose ops differ from the plan's (data-dependent control flow
+   with the same signature) is settled as keeping nothing (within every
+   budget; gradients as always exact) and its signature planned again next
+   call.
+4. The eager engine's plan reads which outputs autograd saved (its holders);
+   the torch.func engine has no saved-tensor hooks under a transform and
+   replays every kept op, so its plan counts every op output as read
+   (NOTE [ The budget planner ] rule 2), and fractions there are of the bytes
+   of every op output of the region.
+5. Regions with regions inside (nested `remat` calls) are planned as keeping
+   nothing: the inner regions' recompute rules are not in the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ._engines.region import Region, describe_callable
+from ._op_cost import op_cost
+from ._planner import Needed, Outcome, Program, evaluate, solve
+from ._policy import ops as _ops
+from ._policy.base import Decision, Policy
+from ._policy.budget import MemoryBudget
+from ._replay.log import OpLog, OpRecord, physical, storage_address
+
+__all__ = ["BudgetPlan", "Planned", "Planning", "explain", "log_policy", "settle"]
+
+#: (op index, output position, holder clock) of a value autograd saved.
+Saved = tuple[int, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPlan:
+    """What a memory budget keeps for one region and input signature.
+
+    Attributes:
+        policy (MemoryBudget): the budget.
+        budget_bytes (int): the budget in bytes.
+        full_bytes (int): what the region holds keeping everything (the fraction's base).
+        held_bytes (int): what the plan holds for backward (predicted; exact on CPU).
+        cost (int): the recompute cost of the plan (``_op_cost``: FLOPs + bytes moved).
+        full_cost (int): the recompute cost keeping nothing (``nothing-saveable``).
+        solver (str): which solver chose (exact MILP, rounded LP, or a shortcut).
+        ops (tuple of str): the region's ops in order.
+        op_bytes (tuple of int): bytes each op's outputs would hold if kept.
+        kept (frozenset of int): the ops whose outputs are kept.
+        runs (frozenset of int): the ops the recompute runs again.
+    """
+
+    policy: MemoryBudget
+    engine: str
+    budget_bytes: int
+    full_bytes: int
+    held_bytes: int
+    cost: int
+    full_cost: int
+    solver: str
+    ops: tuple[Any, ...]
+    op_bytes: tuple[int, ...]
+    kept: frozenset[int]
+    runs: frozenset[int]
+
+    def decision(self, index: int) -> Decision:
+        """The decision for the outputs of op ``index``."""
+        return Decision.SAVE if index in self.kept else Decision.RECOMPUTE
+
+    def __str__(self) -> str:
+        lines = [f"{'#':>4}  {'op':<40} {'bytes':>10}  decision"]
+        for i, op in enumerate(self.ops):
+            what = "SAVE" if i in self.kept else ("recompute" if i in self.runs else "-")
+            lines.append(f"{i:>4}  {op!s:<40} {self.op_bytes[i]:>10}  {what}")
+        lines.append(
+            f"{self.policy!r} ({self.engine} engine, {self.solver}): budget "
+            f"{self.budget_bytes} B of {self.full_bytes} B; holds {self.held_bytes} B; "
+            f"recompute cost {self.cost} of {self.full_cost} (keeping nothing)"
+        )
+        return "\n".join(lines)
+
+
+#: Plans by region, then by signature (NOTE rule 1).
+_PLANS: weakref.WeakKeyDictionary[Region, dict[Hashable, BudgetPlan]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def plans_of(region: Region) -> dict[Hashable, BudgetPlan]:
+    """The plans made so far for ``region``, by signature."""
+    return _PLANS.setdefault(region, {})
+
+
+class Planning(Policy):
+    """A first call's log policy: keep everything until `settle` plans (NOTE rule 2)."""
+
+    uses_ops = True
+    plans_from_log = True
+
+    def __init__(self, budget: MemoryBudget, region: Region, key: Hashable, engine: str) -> None:
+        self.budget, self.region, self.key, self.engine = budget, region, key, engine
+
+    def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+        return Decision.SAVE
+
+    def decide(self, verdict: Hashable, name: str | None) -> Decision:
+        return Decision.SAVE
+
+    def __repr__(self) -> str:
+        return f"{self.budget!r} (planning)"
+
+
+class Planned(Policy):
+    """A later call's log policy: the plan's decision by op position (NOTE rule 3)."""
+
+    uses_ops = True
+
+    def __init__(self, plan: BudgetPlan, region: Region, key: Hashable) -> None:
+        self.plan, self.region, self.key = plan, region, key
+        self.diverged = False
+
+    def decide_record(
+        self, index: int, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Hashable:
+        ops = self.plan.ops
+        if index >= len(ops) or ops[index] != op:
+            self.diverged = True
+        if self.diverged:
+            return Decision.RECOMPUTE
+        return self.plan.decision(index)
+
+    def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+        return Decision.RECOMPUTE  # only `decide_record` knows the position
+
+    def decide(self, verdict: Hashable, name: str | None) -> Decision:
+        assert isinstance(verdict, Decision), "this is a bug in remat, please report it"
+        return verdict
+
+    def __repr__(self) -> str:
+        return repr(self.plan.policy)
+
+
+def _signature(region: Region, inputs: Sequence[torch.Tensor], engine: str) -> Hashable:
+    tensors = tuple(
+        (tuple(t.shape), t.dtype, t.device.type, t.requires_grad) for t in inputs
+    )
+    fn = region.fn
+    frozen = (
+        tuple(p.requires_grad for p in fn.parameters()) if isinstance(fn, torch.nn.Module) else ()
+    )
+    autocast = tuple(
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+    )
+    return (engine, tensors, frozen, autocast)
+
+
+def log_policy(region: Region, inputs: Sequence[torch.Tensor], engine: str) -> Policy:
+    """The policy a call's op log asks: the region's, or its budget plan's (NOTE rule 1)."""
+    policy = region.policy
+    if not isinstance(policy, MemoryBudget):
+        return policy
+    key = _signature(region, inputs, engine)
+    plan = plans_of(region).get(key)
+    if plan is None:
+        return Planning(policy, region, key, engine)
+    return Planned(plan, region, key)
+
+
+def settle(
+    log: OpLog, saved: Iterable[Saved] | None, baseline: Iterable[torch.Tensor]
+) -> frozenset[int]:
+    """End of a forward: plan a first call, check a later one; return the records dropped.
+
+    ``saved``: the values autograd saved (the eager engine), or None (the
+    torch.func engine: every output counts as read, NOTE rule 4).
+    """
+    policy = log.policy
+    if isinstance(policy, Planned):
+        if not policy.diverged and len(log.records) == len(policy.plan.ops):
+            return frozenset()
+        plans_of(policy.region).pop(policy.key, None)  # plan again next call
+        return _apply(log, frozenset())
+    if not isinstance(policy, Planning):
+        return frozenset()
+    program, op_bytes = build_program(log, saved, baseline)
+    full = program.full_bytes()
+    budget = policy.budget.budget_bytes(full)
+    if log.regions:  # NOTE rule 5
+        outcome = dataclasses.replace(evaluate(program, ()), solver="nested regions: keep nothing")
+    else:
+        outcome = solve(program, budget)
+    plan = _plan(policy, log, program, outcome, budget, full, op_bytes)
+    plans_of(policy.region)[policy.key] = plan
+    return _apply(log, plan.kept)
+
+
+def _plan(
+    policy: Planning,
+    log: OpLog,
+    program: Program,
+    outcome: Outcome,
+    budget: int,
+    full: int,
+    op_bytes: tuple[int, ...],
+) -> BudgetPlan:
+    return BudgetPlan(
+        policy=policy.budget,
+        engine=policy.engine,
+        budget_bytes=budget,
+        full_bytes=full,
+        held_bytes=outcome.held_bytes,
+        cost=outcome.cost,
+        full_cost=evaluate(program, ()).cost,
+        solver=outcome.solver,
+        ops=tuple(rec.op for rec in log.records),
+        op_bytes=op_bytes,
+        kept=outcome.kept,
+        runs=outcome.runs,
+    )
+
+
+def _apply(log: OpLog, kept: frozenset[int]) -> frozenset[int]:
+    """Release every kept record the plan does not keep; return their indices."""
+    dropped = []
+    for rec in log.records:
+        if rec.index in kept or rec.kept is None:
+            continue
+        rec.verdict = rec.decision = Decision.RECOMPUTE
+        rec.release()
+        dropped.append(rec.index)
+    return frozenset(dropped)
+
+
+# ---------------------------------------------------------------------------
+# The program (NOTE [ The budget planner ] rule 1)
+# ---------------------------------------------------------------------------
+
+
+def _keepable(rec: OpRecord) -> bool:
+    if rec.always_live or rec.kept is None or rec.versions is None:
+        return False
+    return all(
+        t is not None and v != -1 and t._version == v
+        for t, v in zip(rec.kept, rec.versions, strict=True)
+    )
+
+
+def build_program(
+    log: OpLog, saved: Iterable[Saved] | None, baseline: Iterable[torch.Tensor]
+) -> tuple[Program, tuple[int, ...]]:
+    """The planner's view of a forward recorded keeping everything; and bytes per op."""
+    outside = {storage_address(physical(t)) for t in baseline}
+    owners: dict[int, int] = {}
+    group_bytes: list[int] = []
+    output_group: dict[tuple[int, int], int] = {}
+    groups: list[tuple[int, ...]] = []
+    for rec in log.records:
+        mine: list[int] = []
+        for position, t in enumerate(rec.kept or ()):
+            if t is None:
+                continue
+            address = storage_address(t)
+            if not address or address in outside:
+                continue
+            if address not in owners:
+                if _ops.is_view(rec.op) and not rec.inputs:
+                    outside.add(address)  # a view of a tensor the region did not make
+                    continue
+                owners[address] = len(group_bytes)
+                group_bytes.append(t.untyped_storage().nbytes())
+            output_group[rec.index, position] = owners[address]
+            mine.append(owners[address])
+        groups.append(tuple(sorted(set(mine))))
+    n = len(log.records)
+    if saved is None:
+        needed = [
+            Needed(rec.index, output_group.get((rec.index, p), -1), n)
+            for rec in log.records
+            for p in range(len(rec.metas))
+        ]
+    else:
+        needed = [Needed(i, output_group.get((i, p), -1), clock) for i, p, clock in saved]
+    program = Program(
+        costs=tuple(
+            op_cost(rec.op, rec.input_shapes, [(m[0], m[2]) for m in rec.metas])
+            for rec in log.records
+        ),
+        keepable=tuple(_keepable(rec) for rec in log.records),
+        always_live=tuple(rec.always_live for rec in log.records),
+        producers=tuple(tuple(sorted(set(rec.inputs))) for rec in log.records),
+        groups=tuple(groups),
+        group_bytes=tuple(group_bytes),
+        needed=tuple(needed),
+    )
+    op_bytes = tuple(sum(group_bytes[g] for g in gs) for gs in groups)
+    return program, op_bytes
+
+
+# ---------------------------------------------------------------------------
+# explain
+# ---------------------------------------------------------------------------
+
+
+def explain(
+    policy: MemoryBudget, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> BudgetPlan:
+    """`MemoryBudget.explain`: one eager forward of ``fn``, planned; its plan."""
+    from ._engines.eager import Frame
+
+    region = Region(fn=fn, policy=policy, label=describe_callable(fn))
+    frame = Frame(region, args, kwargs)
+    with torch.enable_grad():
+        out = frame.run_forward()
+    del out
+    (plan,) = plans_of(region).values()
+    return plan
