@@ -98,15 +98,34 @@ class BudgetPlan:
         return "\n".join(lines)
 
 
-#: Plans by region, then by signature (NOTE rule 1).
-_PLANS: weakref.WeakKeyDictionary[Region, dict[Hashable, BudgetPlan]] = (
+#: Plans by the function a region runs, then by budget, then by signature (NOTE rule 1).
+_PLANS: weakref.WeakKeyDictionary[Any, dict[Policy, dict[Hashable, BudgetPlan]]] = (
+    weakref.WeakKeyDictionary()
+)
+#: For functions that take no weak reference: by region.
+_BY_REGION: weakref.WeakKeyDictionary[Region, dict[Policy, dict[Hashable, BudgetPlan]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
+def _home(region: Region) -> Any:
+    """What a region's plans belong to: its module or function, stable across calls.
+
+    A wrapped module's region is remade for every call (``_modules._Forward``
+    holds the module), so the plans live on the module itself.
+    """
+    module = getattr(region.fn, "module", None)
+    return module if isinstance(module, torch.nn.Module) else region.fn
+
+
 def plans_of(region: Region) -> dict[Hashable, BudgetPlan]:
-    """The plans made so far for ``region``, by signature."""
-    return _PLANS.setdefault(region, {})
+    """The plans made so far for ``region``'s function under its budget, by signature."""
+    home = _home(region)
+    try:
+        table = _PLANS.setdefault(home, {})
+    except TypeError:  # not weakly referenceable
+        table = _BY_REGION.setdefault(region, {})
+    return table.setdefault(region.policy, {})
 
 
 class Planning(Policy):
@@ -162,9 +181,11 @@ def _signature(region: Region, inputs: Sequence[torch.Tensor], engine: str) -> H
     tensors = tuple(
         (tuple(t.shape), t.dtype, t.device.type, t.requires_grad) for t in inputs
     )
-    fn = region.fn
+    home = _home(region)
     frozen = (
-        tuple(p.requires_grad for p in fn.parameters()) if isinstance(fn, torch.nn.Module) else ()
+        tuple(p.requires_grad for p in home.parameters())
+        if isinstance(home, torch.nn.Module)
+        else ()
     )
     autocast = tuple(
         (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
@@ -328,7 +349,7 @@ def explain(
     region = Region(fn=fn, policy=policy, label=describe_callable(fn))
     frame = Frame(region, args, kwargs)
     with torch.enable_grad():
-        out = frame.run_forward()
+        key = _signature(region, frame.inputs, "eager")
+        out = frame.run_forward()  # plans, unless this signature's plan is made already
     del out
-    (plan,) = plans_of(region).values()
-    return plan
+    return plans_of(region)[key]

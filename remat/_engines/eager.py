@@ -643,6 +643,13 @@ class Frame:
     def _recompute_or_retry(self, replay: ReplayMode | None, live: list[bool] | None) -> None:
         try:
             self._run_recompute(replay)
+        except NondeterministicRecomputeError:
+            if live is None or all(live):
+                raise
+            # A replayed op fed only by dead ops: a composite op above it chose
+            # another kernel for the meta stand-ins (attention falls back to its
+            # math path on meta): run every op this time.
+            self._run_recompute(self._replay(None))
         except RematError:
             raise
         except Exception:

@@ -26,8 +26,9 @@ NOTE [ Record and replay ]
    whole, inputs included: it runs as a region of its own in the recompute,
    keeps what its policy saves and may recompute from its inputs later. A dead
    op returns a meta tensor of the right shape and strides instead of running
-   (free, and loud if anything reads it; the engine then recomputes again with
-   every op live). Ops that must run whatever reads them are always live:
+   (free, and loud if anything reads it, or if a composite op above picks
+   another kernel for it, as attention does on meta: the engine then
+   recomputes again with every op live). Ops that must run whatever reads them are always live:
    random ops (the random stream), in-place and ``out=`` ops (they write through views the
    data flow does not follow) and ops whose result Python may read (``item()``,
    ``nonzero`` and every op tagged data-dependent). View ops always run: they
