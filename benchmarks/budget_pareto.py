@@ -273,7 +273,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     ]
     for row in rows:
         lines.append(
-            f"| {row['variant']} | {row['held_bytes']:,} | {row['held_bytes'] / none['held_bytes']:.3f} "
+            f"| {row['variant']} | {row['held_bytes']:,} "
+            f"| {row['held_bytes'] / none['held_bytes']:.3f} "
             f"| {row['peak_bytes']:,} | {row['backward_flops']:,} | {row['recompute_cost']:,} "
             f"| {row['time_vs_none']:.2f}x | {row['max_grad_diff']:.1e} |"
         )
