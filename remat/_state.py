@@ -19,8 +19,9 @@ class _Local(threading.local):
         self.frames: list[Any] = []
         #: Op recorders (RecordMode) that `checkpoint_name` reports to, innermost last.
         self.recorders: list[Any] = []
-        #: The `save_last` frame that keeps its activations until the next one starts.
-        self.last_region: Any = None
+        #: Weak references to the `save_last` frames that are last, one per chain of
+        #: dependent regions (NOTE [ The last region of a chain ] in ``last_regions.py``).
+        self.last_regions: list[Any] = []
         #: The same for the torch.func engine: the op log of its last `save_last` region.
         self.last_functional_log: Any = None
         #: How many of remat's own blocks of tensor work (snapshots, copies) are running

@@ -19,9 +19,10 @@ NOTE [ The eager engine ]
    each of its holders to the outer recompute in place of a tensor, so the outer
    backward unpacks through the inner region's policy (two-level recompute).
 5. `save_last`: a region whose policy keeps the last region holds everything it
-   produced, marked demotable; when the next such region starts its forward,
-   the previous one is demoted: demotable holders are emptied and recompute
-   armed.
+   produced, marked demotable; when a later such region that reads its outputs
+   starts its forward, it is demoted: demotable holders are emptied and
+   recompute armed (NOTE [ The last region of a chain ] in ``last_regions.py``:
+   regions on independent data, such as pipeline microbatches, each keep theirs).
 6. Offload (NOTE [ Offload: streams, events, prefetch ] in ``_offload/store.py``): an
    ``OFFLOAD`` value goes to the frame's host store once, as an `Offloaded`
    entry keyed by the op output it is (record, position). A saved tensor is put
@@ -75,6 +76,7 @@ from .._replay.log import TAG, OpLog, OpRecord, RecordMode, ReplayMode, side_by_
 from .._replay.rng import RngState, check_batched_recompute, generators_of
 from .._state import local, recomputing
 from .autograd_inside import GradWatch, OutsideGradError, feeds
+from .last_regions import mark_outputs, start_last
 from .region import Region
 
 __all__ = ["Frame", "Holder", "TorchFuncInsideError", "run_eager"]
@@ -813,13 +815,6 @@ def _pushed(frame: Frame | _KeepEverything) -> Any:
         local.frames.pop()
 
 
-def _demote_previous(frame: Frame) -> None:
-    previous = local.last_region() if local.last_region is not None else None
-    if previous is not None and previous is not frame:
-        previous.demote()
-    local.last_region = weakref.ref(frame)
-
-
 def run_eager(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``region.fn(*args, **kwargs)`` so that backward recomputes what the policy drops."""
     fn: Callable[..., Any] = region.fn
@@ -841,8 +836,10 @@ def run_eager(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if top is not None:
         frame.parent = top  # running inside the outer region's recompute
     elif policy.keeps_last_region:
-        _demote_previous(frame)
+        start_last(frame, frame.inputs)
     out = frame.run_forward()
+    if top is None and policy.keeps_last_region:
+        mark_outputs(frame, flatten_region_io(out)[0])
     # Autograd would differentiate a tensor in any object, but the torch.func
     # engine cannot see one in an object it cannot flatten: both raise alike.
     check_outputs_visible(flatten_region_io(out)[0], region.label)
