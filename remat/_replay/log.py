@@ -92,6 +92,28 @@ def _inherit_tag(source: Any, out: Any) -> None:
         setattr(out, TAG, tag)
 
 
+def _tag_inner(tensor: torch.Tensor, tag: tuple[int, int, int]) -> None:
+    """Give a wrapper subclass's inner tensors its tag (a DTensor's local shard).
+
+    The modes see a DTensor's ops at the DTensor level, but autograd saves what
+    the code after them computes on: tensor-parallel layers hand out the local
+    shard (``to_local``), which no recorded op returned. Tagged, a saved shard
+    is the output of the DTensor op that made it, and the policy's decision for
+    that op applies to it. A tag this log gave before stays (an aliasing op may
+    hand out an input's shard).
+    """
+    if type(tensor) is torch.Tensor or not is_traceable_wrapper_subclass(tensor):
+        return
+    names, _ = tensor.__tensor_flatten__()
+    for name in names:
+        inner = getattr(tensor, name, None)
+        if not isinstance(inner, torch.Tensor):
+            continue
+        existing = getattr(inner, TAG, None)
+        if existing is None or existing[0] != tag[0]:
+            setattr(inner, TAG, tag)
+
+
 def storage_address(t: torch.Tensor) -> int:
     """The address of ``t``'s storage; 0 when it has none (sparse, nested, a zero tensor).
 
@@ -276,6 +298,7 @@ class OpLog:
         )
         for position, tensor in enumerate(outputs):
             setattr(tensor, TAG, (self.serial, index, position))
+            _tag_inner(tensor, (self.serial, index, position))
             if decision is not Decision.RECOMPUTE or rec.tentative:
                 self._keep(rec, position, tensor)
 
@@ -512,18 +535,27 @@ def _scan(
     scalars: list[Any] = []
     for arg in itertools.chain(args, kwargs.values()) if kwargs else args:
         if isinstance(arg, torch.Tensor):
-            tag = getattr(arg, TAG, None)
-            if tag is not None and tag[0] == serial:
-                producers.append(tag[1])
+            _add_producer(producers, arg, serial)
         elif isinstance(arg, (list, tuple)):
             for item in arg:
                 if isinstance(item, torch.Tensor):
-                    tag = getattr(item, TAG, None)
-                    if tag is not None and tag[0] == serial:
-                        producers.append(tag[1])
+                    _add_producer(producers, item, serial)
         elif isinstance(arg, _NUMBERS):
             scalars.append("nan" if arg != arg else arg)
     return tuple(producers), tuple(scalars)
+
+
+def _add_producer(producers: list[int], t: torch.Tensor, serial: int) -> None:
+    tag = getattr(t, TAG, None)
+    if tag is None and type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
+        # A DTensor made from a local tensor (``DTensor.from_local``, which a
+        # row-parallel layer runs on its input) depends on that tensor's producer.
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            _add_producer(producers, getattr(t, name), serial)
+        return
+    if tag is not None and tag[0] == serial:
+        producers.append(tag[1])
 
 
 def _flat_tensors(out: Any) -> list[torch.Tensor]:
