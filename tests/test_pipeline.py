@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import run_workers
+from helpers import load_script, run_workers
 from torch import nn
 
 import remat
@@ -194,3 +194,32 @@ def test_peak_per_stage_is_below_no_remat(results: list[dict[Any, Any]], schedul
         else:
             # Microbatches in flight each keep their last block until their backward.
             assert peaks["nothing-saveable"] < peaks["save-last"], (rank, peaks)
+
+
+def _benchmark_worker(rank: int, port: int, out_dir: str) -> None:
+    bench = load_script("benchmarks", "pipeline")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
+    try:
+        torch.save(bench.measure(rank, bench.SMALL), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_benchmark_runs_small_and_reports_what_the_tests_assert(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    bench = load_script("benchmarks", "pipeline")
+    results = run_workers(_benchmark_worker, WORLD, TIMEOUT_S)
+    for rows in results:
+        for schedule in SCHEDULES:
+            plain = rows[f"{schedule} None"]
+            assert plain["recomputes"] == [0, 0] and plain["time_ratio"] == 1.0
+            for policy in POLICIES:
+                row = rows[f"{schedule} {policy}"]
+                assert row["recomputes"] == RECOMPUTES[policy]
+                assert row["peak"] < plain["peak"] and row["time_ratio"] > 0
+    table = bench.markdown(results, MICROBATCHES)
+    assert "| GPipe | save-last | 1 |" in table and "[4, 0]" in table
