@@ -10,7 +10,7 @@ interleaved in the same run (absolute times are not comparable between runs
 on shared machines). ``save-last`` keeps each microbatch's last block per
 stage (NOTE [ The last region of a chain ] in ``remat/_engines/last_regions.py``).
 
-    python benchmarks/pipeline.py --repeats 11
+    python benchmarks/pipeline.py
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import remat
 from remat import _demo_model as demo
@@ -37,23 +38,40 @@ from remat._inspect.memory import MemoryMeter
 
 WORLD = 2
 SCHEDULES = ("GPipe", "1F1B")
-POLICIES = (None, "nothing-saveable", "dots-saveable", "save-last")
+#: None: no remat; TORCH: ``torch.utils.checkpoint`` (non-reentrant) around each block.
+TORCH = "torch checkpoint"
+POLICIES = (None, TORCH, "nothing-saveable", "dots-saveable", "save-last")
 SMALL = {"width": 16, "depth": 4, "batch": 8, "seq": 8, "heads": 2, "microbatches": 4,
          "repeats": 1}
-FULL = {"width": 128, "depth": 8, "batch": 16, "seq": 128, "heads": 4, "microbatches": 8,
-        "repeats": 11}
+FULL = {"width": 128, "depth": 8, "batch": 16, "seq": 64, "heads": 4, "microbatches": 4,
+        "repeats": 5}
 
 
 class Counted(nn.Module):
-    """A block that counts its recomputes."""
+    """A block that counts its recomputes (remat's; ``torch_checkpoint``: torch's)."""
 
-    def __init__(self, block: nn.Module) -> None:
+    def __init__(self, block: nn.Module, torch_checkpoint: bool = False) -> None:
         super().__init__()
         self.block = block
-        self.recomputes = 0
+        self.torch_checkpoint = torch_checkpoint
+        self.forwards = 0
+        self.calls = 0
+
+    @property
+    def recomputes(self) -> int:
+        return self.calls - self.forwards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.recomputes += remat.is_recomputing()
+        self.forwards += 1
+        if self.torch_checkpoint:  # torch's recompute calls `_run`, not `forward`
+            return checkpoint(self._run, x, use_reentrant=False)  # type: ignore[no-any-return]
+        return self._run(x)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        # remat's recompute runs `forward` again (the wrapped forward is this one).
+        if remat.is_recomputing():
+            self.forwards -= 1
+        self.calls += 1
         return self.block(x)  # type: ignore[no-any-return]
 
 
@@ -69,8 +87,9 @@ class Stage:
 
         stack = demo.Stack(depth=size["depth"], width=size["width"], heads=size["heads"])
         half = size["depth"] // WORLD
-        self.blocks = [Counted(b) for b in list(stack.blocks)[rank * half : (rank + 1) * half]]
-        if policy is not None:
+        mine = list(stack.blocks)[rank * half : (rank + 1) * half]
+        self.blocks = [Counted(b, torch_checkpoint=policy == TORCH) for b in mine]
+        if policy not in (None, TORCH):
             for block in self.blocks:
                 remat.wrap(block, policy=policy)
         self.module = nn.Sequential(*self.blocks)

@@ -217,6 +217,7 @@ def test_benchmark_runs_small_and_reports_what_the_tests_assert(
         for schedule in SCHEDULES:
             plain = rows[f"{schedule} None"]
             assert plain["recomputes"] == [0, 0] and plain["time_ratio"] == 1.0
+            assert rows[f"{schedule} {bench.TORCH}"]["recomputes"] == [MICROBATCHES] * 2
             for policy in POLICIES:
                 row = rows[f"{schedule} {policy}"]
                 assert row["recomputes"] == RECOMPUTES[policy]

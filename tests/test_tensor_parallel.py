@@ -7,7 +7,8 @@ model in one process without parallelism or remat (gradients gathered whole),
 and the ops backward runs are counted at the DTensor level, the level remat's
 modes see (`_tag_inner` in ``remat/_replay/log.py``): ``dots-saveable`` runs no
 matmul again. Also: FSDP2 over a 1 x 2 mesh composed with tensor
-parallelism, and torch's own refusal of ``torch.func`` over DTensor layers.
+parallelism, and torch's own refusal of ``torch.func`` over DTensor layers
+(a `RematError` naming the cure with remat, `_engines/torch_func_refusal.py`).
 """
 
 from __future__ import annotations
@@ -119,6 +120,18 @@ def _torch_func_error(model: nn.Module) -> str:
     try:
         torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).pow(2).mean())(params)
     except RuntimeError as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _functional_engine_error(mesh: Any) -> str:
+    """``loss.backward()`` through blocks forced onto the torch.func engine."""
+    model = _parallel(mesh)
+    for block in model:
+        remat.wrap(block, policy="dots-saveable", engine="functional")
+    try:
+        _loss(model, _data()).backward()
+    except remat.RematError as error:
         return str(error)
     return "no error"
 
@@ -154,6 +167,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         for block in wrapped:
             remat.wrap(block, policy="dots-saveable")
         results["torch.func", "dots-saveable"] = _torch_func_error(wrapped)
+        results["functional engine"] = _functional_engine_error(mesh)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -211,8 +225,26 @@ def test_fsdp2_with_tensor_parallel_matches_one_process(
 def test_torch_func_over_dtensor_layers_is_refused_by_torch_with_or_without_remat(
     results: list[dict[Any, Any]],
 ) -> None:
-    """DTensor's ``from_local``/``to_local`` Functions have no ``setup_context`` (torch 2.13)."""
+    """DTensor's ``from_local``/``to_local`` Functions have no ``setup_context`` (torch 2.13).
+
+    With remat the refusal is a `RematError` naming the region and the cure,
+    ``loss.backward()``, which `test_tensor_parallel_blocks_match_one_process` runs.
+    """
     for by_config in results:
         plain, wrapped = by_config["torch.func", None], by_config["torch.func", "dots-saveable"]
+        assert plain.startswith("RuntimeError: ")
         assert "it must override the setup_context staticmethod" in plain
-        assert wrapped == plain
+        assert wrapped.startswith("RematError: remat: Attention.forward (")
+        assert "torch refuses this function under torch.func with or without remat" in wrapped
+        assert "Differentiate it with loss.backward()" in wrapped
+
+
+def test_the_torch_func_engine_forced_on_dtensor_layers_names_the_default_engine(
+    results: list[dict[Any, Any]],
+) -> None:
+    """The cure, ``engine='auto'`` (the default), is what the other tests run."""
+    for by_config in results:
+        message = by_config["functional engine"]
+        assert message.startswith("remat: Attention.forward (")
+        assert "autograd.Function without setup_context" in message
+        assert "Use engine='auto' (the default) or engine='eager' for this region" in message

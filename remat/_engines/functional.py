@@ -145,6 +145,7 @@ from .._state import internal, is_recomputing, local, recomputing
 from .autograd_inside import differentiated_by, feeds, outside_grad_error
 from .escapes import EscapeWatch
 from .region import Region
+from .torch_func_refusal import torch_func_refusal
 
 __all__ = ["run_functional"]
 
@@ -180,7 +181,14 @@ def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
         # nothing for a backward, only a reverse level around them loses savings.
         return fn(*args, **kwargs)
     call = _Call(region, fn, args, kwargs)
-    flat_out = _RematFunction.apply(call, *call.inputs)  # type: ignore[no-untyped-call]
+    transformed = _functorch.maybe_current_level() is not None
+    try:
+        flat_out = _RematFunction.apply(call, *call.inputs)  # type: ignore[no-untyped-call]
+    except RuntimeError as error:
+        refusal = torch_func_refusal(region.label, error, transformed)
+        if refusal is None:
+            raise
+        raise refusal from error
     # Escaped tensors come last (NOTE [ Escaped tensors ] in ``_engines/escapes.py``).
     # (`adopt` must hold the only references to them: it lets each go after its swap.)
     count = len(flat_out) - len(call.escapes.found)
