@@ -40,7 +40,7 @@ from torch.utils.flop_counter import flop_registry
 
 import remat
 from remat import _demo_model as demo
-from remat._op_cost import op_cost
+from remat._policy.op_cost import op_cost
 from remat._replay.checks import arg_shapes
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))

@@ -11,12 +11,13 @@ from . import testing as testing
 from ._api import checkpoint as checkpoint
 from ._api import checkpoint_name as checkpoint_name
 from ._api import remat as remat
-from ._budget_plans import BudgetPlan as BudgetPlan
 from ._capture.module_state import register_stateful as register_stateful
+from ._engines.budget_plans import BudgetPlan as BudgetPlan
 from ._errors import NondeterministicRecomputeError as NondeterministicRecomputeError
 from ._errors import RematError as RematError
 from ._errors import RematWarning as RematWarning
 from ._errors import SavedInputMutatedError as SavedInputMutatedError
+from ._inspect.budget import budget_plan as budget_plan
 from ._inspect.compare import PolicyCost as PolicyCost
 from ._inspect.compare import compare as compare
 from ._inspect.compare import policy_costs as policy_costs
@@ -38,6 +39,7 @@ from ._state import is_recomputing as is_recomputing
 
 __all__ = [
     "BudgetPlan",
+    "budget_plan",
     "CudaHostStore",
     "HostStore",
     "MemoryReport",

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
-from remat._op_cost import op_cost
+from remat._policy.op_cost import op_cost
 from remat._replay.checks import arg_shapes
 
 #: The budgets the issue asks for.

@@ -14,7 +14,7 @@ from budget_helpers import FRACTIONS, held_bytes, recompute_cost
 from helpers import PROGRAMS, assert_close_all
 
 import remat
-from remat._budget_plans import plans_of
+from remat._engines.budget_plans import plans_of
 from remat.policies import Decision, memory_budget
 
 
@@ -312,7 +312,7 @@ def test_apply_and_sequential() -> None:
         trained = [p for p in reference.parameters() if p.requires_grad]
         want = torch.autograd.grad(reference(x).sum(), (x, *trained))
         assert_close_all(got, want)
-    from remat._budget_plans import _PLANS
+    from remat._engines.budget_plans import _PLANS
 
     for layer in model:  # one plan per wrapped module, made once (its region is per call)
         (plans,) = _PLANS[layer].values()
@@ -321,9 +321,9 @@ def test_apply_and_sequential() -> None:
     assert_close_all(torch.autograd.grad(out.sum(), x), torch.autograd.grad(reference(x).sum(), x))
 
 
-def test_saved_residuals_shows_each_decision_and_explain_matches() -> None:
+def test_saved_residuals_shows_each_decision_and_the_plan_matches() -> None:
     xs = block_inputs()
-    plan = memory_budget(0.5).explain(block, *xs)
+    plan = remat.budget_plan(block, *xs, policy=memory_budget(0.5))
     residuals = remat.saved_residuals(block, *xs, policy="budget:0.5")
     kept = [r for r in residuals if r.decision is Decision.SAVE]
     assert kept and {str(r.op) for r in kept} <= {str(plan.ops[i]) for i in plan.kept}
@@ -336,13 +336,13 @@ _PLAN_SCRIPT = """
 import json, torch, remat
 import sys; sys.path.insert(0, "tests")
 from test_budget import block, block_inputs
-plan = remat.policies.memory_budget(0.3).explain(block, *block_inputs())
+plan = remat.budget_plan(block, *block_inputs(), policy="budget:0.3")
 print(json.dumps([sorted(plan.kept), plan.held_bytes, plan.cost, [str(o) for o in plan.ops]]))
 """
 
 
 def test_the_same_plan_in_two_processes() -> None:
-    plan = memory_budget(0.3).explain(block, *block_inputs())
+    plan = remat.budget_plan(block, *block_inputs(), policy="budget:0.3")
     mine = [sorted(plan.kept), plan.held_bytes, plan.cost, [str(o) for o in plan.ops]]
     import pathlib
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from test_properties import STEPS, _program
 
 import remat
-from remat._budget_plans import plans_of
+from remat._engines.budget_plans import plans_of
 
 #: Steps that branch: the program reads two earlier values (chains, several readers).
 BRANCHES = ("skip", "gate")

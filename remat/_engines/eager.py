@@ -53,7 +53,6 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .._budget_plans import log_policy, settle
 from .._capture.closure import find_closed_over
 from .._capture.module_state import state_guard_of
 from .._compile import uncompiled
@@ -76,6 +75,7 @@ from .._replay.log import TAG, OpLog, OpRecord, RecordMode, ReplayMode, side_by_
 from .._replay.rng import RngState, check_batched_recompute, generators_of
 from .._state import local, recomputing
 from .autograd_inside import GradWatch, OutsideGradError, feeds
+from .budget_plans import log_policy, settle
 from .last_regions import mark_outputs, start_last
 from .region import Region
 
@@ -378,7 +378,7 @@ class Frame:
     def settle_budget(self) -> None:
         """A memory budget's first call plans here; drop what the plan does not keep.
 
-        NOTE [ Budget plans ] in ``_budget_plans.py``: the plan reads which op
+        NOTE [ Budget plans ] in ``budget_plans.py``: the plan reads which op
         outputs autograd saved, and when (the holders' clocks).
         """
         assert self.log is not None, "this is a bug in remat, please report it"

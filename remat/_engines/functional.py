@@ -127,7 +127,6 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from .._budget_plans import log_policy, settle
 from .._capture.closure import Bindings, find_closed_over
 from .._capture.module_state import state_guard_of
 from .._compile import uncompiled
@@ -143,6 +142,7 @@ from .._replay.log import OpLog, OpRecord, RecordMode, ReplayMode, physical, sto
 from .._replay.rng import RngState, check_batched_recompute, generators_of, vmap_levels
 from .._state import internal, is_recomputing, local, recomputing
 from .autograd_inside import differentiated_by, feeds, outside_grad_error
+from .budget_plans import log_policy, settle
 from .escapes import EscapeWatch
 from .region import Region
 from .torch_func_refusal import torch_func_refusal

@@ -2,7 +2,7 @@
 
 The policy object only says what the budget is; the plan is made per region
 and input signature by the engines (NOTE [ Budget plans ] in
-``_budget_plans.py``) with the planner of ``_planner.py``.
+``_engines/budget_plans.py``) with the planner of ``planner.py``.
 """
 
 from __future__ import annotations
@@ -10,13 +10,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Hashable
+from typing import Any
 
 from .base import Decision, Policy
-
-if TYPE_CHECKING:
-    from .._budget_plans import BudgetPlan
 
 __all__ = ["MemoryBudget", "memory_budget", "parse_budget"]
 
@@ -69,8 +66,9 @@ class MemoryBudget(Policy):
                 )
 
     def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
-        # The engines ask the call's plan instead (``_budget_plans.log_policy``); asked
-        # directly, keeping nothing is the one answer within every budget.
+        # The engines ask the call's plan instead (``log_policy`` in
+        # ``_engines/budget_plans.py``); asked directly, keeping nothing is the one
+        # answer within every budget.
         return Decision.RECOMPUTE
 
     def decide(self, verdict: Hashable, name: str | None) -> Decision:
@@ -82,34 +80,6 @@ class MemoryBudget(Policy):
             return self.nbytes
         assert self.fraction is not None, "this is a bug in remat, please report it"
         return math.floor(self.fraction * full)
-
-    def explain(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> BudgetPlan:
-        """Plan ``fn(*args, **kwargs)`` under this budget and return the plan.
-
-        Runs the forward once, eagerly, as the eager engine would on a first
-        call. The plan prints as a table: each op's bytes and decision, with the
-        budget, the predicted held bytes and the predicted recompute cost.
-
-        Args:
-            fn (callable): the function (or module) to plan.
-            *args (Any): its positional arguments.
-            **kwargs (Any): its keyword arguments.
-
-        Returns:
-            BudgetPlan: the plan.
-
-        >>> import torch
-        >>> w = torch.randn(16, 16, requires_grad=True)
-        >>> def f(x):
-        ...     return torch.tanh(torch.tanh(x @ w) @ w).sum()
-        >>> plan = memory_budget(0.5).explain(f, torch.randn(8, 16))
-        >>> # two (8, 16) tanh outputs: 1 KiB when everything is kept; half of it fits
-        >>> plan.held_bytes <= plan.budget_bytes, plan.budget_bytes, plan.full_bytes
-        (True, 512, 1024)
-        """
-        from .._budget_plans import explain
-
-        return explain(self, fn, args, kwargs)
 
     def __repr__(self) -> str:
         if self.nbytes is not None:
@@ -132,7 +102,7 @@ def memory_budget(fraction: float | None = None, *, bytes: int | None = None) ->
         bytes (int, optional): an absolute budget, instead of ``fraction``.
 
     Returns:
-        Policy: the policy; ``policy.explain(fn, *args)`` shows its plan.
+        Policy: the policy; ``remat.budget_plan(fn, *args, policy=policy)`` shows its plan.
 
     Raises:
         ValueError: for a fraction outside [0, 1], negative bytes, or both or

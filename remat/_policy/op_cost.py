@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ._policy import ops as _ops
+from . import ops as _ops
 
 __all__ = ["op_cost"]
 

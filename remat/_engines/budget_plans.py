@@ -9,7 +9,7 @@ NOTE [ Budget plans ]
 2. First call with a signature: `Planning` keeps every output (the forward
    runs as everything-saveable would). When the forward ends the engine calls
    `settle`: the log and the values autograd saved become a `Program`, the
-   planner chooses the kept set (``_planner.py``), the plan is cached, and the
+   planner chooses the kept set (``_policy/planner.py``), the plan is cached, and the
    records it drops are released at once (the eager engine empties their
    holders). So the first call with a new signature peaks like no remat in its
    forward; what it holds for backward, like every later call, is the plan's.
@@ -31,20 +31,20 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from ._engines.region import Region, describe_callable
-from ._op_cost import op_cost
-from ._planner import Needed, Outcome, Program, evaluate, solve
-from ._policy import ops as _ops
-from ._policy.base import Decision, Policy
-from ._policy.budget import MemoryBudget
-from ._replay.log import OpLog, OpRecord, physical, storage_address
+from .._policy import ops as _ops
+from .._policy.base import Decision, Policy
+from .._policy.budget import MemoryBudget
+from .._policy.op_cost import op_cost
+from .._policy.planner import Needed, Outcome, Program, evaluate, solve
+from .._replay.log import OpLog, OpRecord, physical, storage_address
+from .region import Region
 
-__all__ = ["BudgetPlan", "Planned", "Planning", "explain", "log_policy", "settle"]
+__all__ = ["BudgetPlan", "Planned", "Planning", "log_policy", "plan_key", "plans_of", "settle"]
 
 #: (op index, output position, holder clock) of a value autograd saved.
 Saved = tuple[int, int, int]
@@ -59,7 +59,7 @@ class BudgetPlan:
         budget_bytes (int): the budget in bytes.
         full_bytes (int): what the region holds keeping everything (the fraction's base).
         held_bytes (int): what the plan holds for backward (predicted; exact on CPU).
-        cost (int): the recompute cost of the plan (``_op_cost``: FLOPs + bytes moved).
+        cost (int): the recompute cost of the plan (``_policy/op_cost.py``: FLOPs + bytes moved).
         full_cost (int): the recompute cost keeping nothing (``nothing-saveable``).
         solver (str): which solver chose (exact MILP, rounded LP, or a shortcut).
         ops (tuple of str): the region's ops in order.
@@ -177,7 +177,7 @@ class Planned(Policy):
         return repr(self.plan.policy)
 
 
-def _signature(region: Region, inputs: Sequence[torch.Tensor], engine: str) -> Hashable:
+def plan_key(region: Region, inputs: Sequence[torch.Tensor], engine: str) -> Hashable:
     tensors = tuple(
         (tuple(t.shape), t.dtype, t.device.type, t.requires_grad) for t in inputs
     )
@@ -198,7 +198,7 @@ def log_policy(region: Region, inputs: Sequence[torch.Tensor], engine: str) -> P
     policy = region.policy
     if not isinstance(policy, MemoryBudget):
         return policy
-    key = _signature(region, inputs, engine)
+    key = plan_key(region, inputs, engine)
     plan = plans_of(region).get(key)
     if plan is None:
         return Planning(policy, region, key, engine)
@@ -333,23 +333,3 @@ def build_program(
     )
     op_bytes = tuple(sum(group_bytes[g] for g in gs) for gs in groups)
     return program, op_bytes
-
-
-# ---------------------------------------------------------------------------
-# explain
-# ---------------------------------------------------------------------------
-
-
-def explain(
-    policy: MemoryBudget, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> BudgetPlan:
-    """`MemoryBudget.explain`: one eager forward of ``fn``, planned; its plan."""
-    from ._engines.eager import Frame
-
-    region = Region(fn=fn, policy=policy, label=describe_callable(fn))
-    frame = Frame(region, args, kwargs)
-    with torch.enable_grad():
-        key = _signature(region, frame.inputs, "eager")
-        out = frame.run_forward()  # plans, unless this signature's plan is made already
-    del out
-    return plans_of(region)[key]
