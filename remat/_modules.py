@@ -36,15 +36,13 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-import torch
 from torch import nn
 
 from . import policies
 from ._api import call_region, check_options, make_region, remat
 from ._capture.module_state import StateGuard
-from ._compile import uncompiled
 from ._declared_layers import is_declared_layer, warn_if_checkpointed_twice
-from ._engines.lowered import lowers, run_lowered
+from ._engines.select import run_call, traced
 from .policies import PolicyLike
 
 __all__ = [
@@ -129,15 +127,15 @@ class _RematForward:
         return self.region.policy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if lowers(self.region):
-            module = self.module_ref()
-            assert module is not None, "this is a bug in remat, please report it"
-            # Not a `_Forward`: Dynamo traces neither its bound method nor its guard,
-            # and compiled code needs no guard (NOTE [ Lowering under torch.compile ]).
-            forward = self.original or functools.partial(type(module).forward, module)
-            eager = functools.partial(uncompiled, self._call)
-            return run_lowered(self.region, forward, args, kwargs, eager)
-        return uncompiled(self._call, args, kwargs)
+        return run_call(self.region, self._traced_forward, args, kwargs, self._call)
+
+    def _traced_forward(self) -> Callable[..., Any]:
+        """What a lowered call traces (NOTE [ Engine selection ] rule 1)."""
+        module = self.module_ref()
+        assert module is not None, "this is a bug in remat, please report it"
+        # Not a `_Forward`: Dynamo traces neither its bound method nor its guard,
+        # and compiled code needs no guard (NOTE [ Lowering under torch.compile ]).
+        return self.original or functools.partial(type(module).forward, module)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self.module_ref()
@@ -443,7 +441,7 @@ class _Segment:
         self.remat_guards_modules = True  # see `state_guard_of`
 
     def __call__(self, x: Any) -> Any:
-        if torch.compiler.is_compiling():  # lowered: no guard (NOTE [ Lowering ... ] rule 8)
+        if traced():  # lowered: no guard (NOTE [ Lowering ... ] rule 8)
             return self._run(x)
         with self.state.guarded():
             return self._run(x)

@@ -18,10 +18,11 @@ NOTE [ The eager engine ]
    during another region's *recompute* runs as a region of its own; it hands
    each of its holders to the outer recompute in place of a tensor, so the outer
    backward unpacks through the inner region's policy (two-level recompute).
-5. `save_last`: a region whose policy keeps the last region holds everything it
-   produced, marked demotable; when the next such region starts its forward,
-   the previous one is demoted: demotable holders are emptied and recompute
-   armed.
+5. `save_last` (NOTE [ The save-last chain ] in ``_engines/save_last.py``): the
+   latest save-last region (`Frame.holds_all_as_latest`) holds everything it
+   produced, marked demotable; when the next such region of either engine
+   starts its forward, this one is demoted: demotable holders are emptied and
+   recompute armed.
 6. Offload (NOTE [ Offload: streams, events, prefetch ] in ``_offload/store.py``): an
    ``OFFLOAD`` value goes to the frame's host store once, as an `Offloaded`
    entry keyed by the op output it is (record, position). A saved tensor is put
@@ -44,6 +45,7 @@ NOTE [ The eager engine ]
 from __future__ import annotations
 
 import contextlib
+import enum
 import itertools
 import weakref
 from collections.abc import Callable
@@ -58,7 +60,7 @@ from .._capture.module_state import state_guard_of
 from .._compile import uncompiled
 from .._errors import NondeterministicRecomputeError, RematError, SavedInputMutatedError
 from .._offload.selection import current_store
-from .._offload.store import HostStore, Offloaded, next_serial, offload, placeholder_for
+from .._offload.store import Offloaded, next_serial
 from .._policy.base import Decision
 from .._policy.name_check import check_names
 from .._pytree import check_outputs_visible, flatten, flatten_region_io, tensor_leaves, tree_map
@@ -73,11 +75,14 @@ from .._replay.checks import (
 )
 from .._replay.log import TAG, OpLog, OpRecord, RecordMode, ReplayMode, side_by_side
 from .._replay.rng import RngState, check_batched_recompute, generators_of
-from .._state import local, recomputing
+from .._state import local
 from .autograd_inside import GradWatch, OutsideGradError, feeds
+from .offloaded import OffloadedOutputs
+from .recompute import recompute_context
 from .region import Region
+from .save_last import become_latest
 
-__all__ = ["Frame", "Holder", "TorchFuncInsideError", "run_eager"]
+__all__ = ["Frame", "Holder", "Phase", "TorchFuncInsideError", "run_eager", "run_plain"]
 
 
 #: What torch says when a torch.func transform starts under saved-tensor hooks.
@@ -94,6 +99,14 @@ class TorchFuncInsideError(RematError):
     def __init__(self, message: str, clean: bool) -> None:
         super().__init__(message)
         self.clean = clean
+
+
+class Phase(enum.Enum):
+    """Where a frame is: running its forward, running its recompute, or between them."""
+
+    FORWARD = "forward"
+    RECOMPUTE = "recompute"
+    DONE = "done"
 
 
 class _StopRecompute(BaseException):
@@ -146,7 +159,9 @@ class Frame:
             else None
         )
         self.decision = None if policy.needs_op_trace else policy.decision_without_ops()
-        self.keep_all = policy.keeps_last_region
+        #: Whether this frame is the latest save-last region, holding everything (NOTE
+        #: [ The save-last chain ] in ``_engines/save_last.py``) until demoted.
+        self.holds_all_as_latest = policy.saves_latest_region
         self.holders: list[weakref.ref[Holder]] = []
         self.check = region.determinism_check
         #: The signature of each saved tensor, kept only for the determinism check
@@ -177,16 +192,14 @@ class Frame:
         self.inner_backward = False
         #: The frame whose recompute is running this region (rule 4), if any.
         self.parent: Frame | None = None
-        self.phase = "forward"
+        self.phase = Phase.FORWARD
         self.recompute_counter: Any = None
         self.needed: dict[int, Holder] = {}
         self.stop_at = -1
-        self.store: HostStore = current_store(region.offload_store)
-        self.serial = next_serial()  # orders this frame's offloads after earlier frames'
-        #: Offloaded op outputs by (id(record), position): (record, op index, entry).
-        self.offloaded: dict[tuple[int, int], tuple[OpRecord, int, Offloaded]] = {}
-        #: The version each offloaded output had when its copy was made.
-        self.offloaded_versions: dict[tuple[int, int], int] = {}
+        store = current_store(region.offload_store)
+        #: Offloaded op outputs (NOTE [ Offloaded outputs ]); the serial orders this
+        #: frame's after earlier frames'.
+        self.offloaded = OffloadedOutputs(lambda: store, _disable_current_modes, next_serial())
 
     # -- forward -------------------------------------------------------------
 
@@ -211,7 +224,7 @@ class Frame:
         self.versions = [_version(t) for t in self.inputs]
         self.mutated_in_forward = self.versions != start_versions
         self.rng_after = self.rng.now() if self.rng is not None else None
-        self.phase = "done"
+        self.phase = Phase.DONE
         self.finish_forward(out)
         return out
 
@@ -265,7 +278,7 @@ class Frame:
             self.metas.append(saved_signature(t, id(t) in self.input_ids))
         if self.log is not None:
             holder.clock = len(self.log.records)
-        decision = self.decide(t, holder)
+        decision = self.decision_for(t, holder)
         if decision is Decision.OFFLOAD:
             holder.tensor = self.offload_saved(t, holder)
             holder.version = t._version  # checked only if it stayed a tensor on device
@@ -290,7 +303,9 @@ class Frame:
         if base.is_leaf and base.requires_grad and id(base) not in self.leaf_versions:
             self.leaf_versions[id(base)] = (base, base._version)
 
-    def decide(self, t: torch.Tensor, holder: Holder) -> Decision:
+    def decision_for(self, t: torch.Tensor, holder: Holder) -> Decision:
+        """What happens to saved tensor ``t``: the policy's decision (`Policy.decide`)
+        for the op output it is, or ``SAVE`` where recomputing it is not possible."""
         if id(t) in self.input_ids or (t.is_leaf and t.requires_grad):
             holder.owned = False
             return Decision.SAVE  # alive anyway: keeping a reference costs nothing
@@ -317,7 +332,7 @@ class Frame:
             decision = self.decision
         if decision is Decision.OFFLOAD and not self.can_offload(t):
             decision = Decision.SAVE
-        if self.keep_all and decision is Decision.RECOMPUTE:
+        if self.holds_all_as_latest and decision is Decision.RECOMPUTE:
             holder.demotable = True
             return Decision.SAVE
         return decision
@@ -351,27 +366,28 @@ class Frame:
         self.log.end_forward()
         check_names(self.log.policy, self.region.label, self.log.names_seen)
         # Only outputs something will read are worth a copy to the host.
-        self.offload_kept(out, None if self.keep_all else self.liveness())
+        self.offload_kept(out, None if self.holds_all_as_latest else self.liveness())
         for holder in self.alive():
             if holder.tensor is not None and self.named_to_recompute(holder):
                 # Saved by its own op (``exp`` saves its result) before
                 # `checkpoint_name` gave it a name the policy recomputes: the
                 # name overrides the op's decision here too.
-                if self.keep_all:
+                if self.holds_all_as_latest:
                     holder.demotable = True
                 else:
                     holder.tensor = None
             elif holder.tensor is None and holder.source is not None:
                 record, position = holder.source
-                if (id(record), position) in self.offloaded:
-                    holder.tensor = self.offloaded[id(record), position][2]
+                entry = self.offloaded.entry(record, position)
+                if entry is not None:
+                    holder.tensor = entry
                 elif record.kept is not None and record.kept[position] is not None:
                     holder.tensor = record.kept[position]
                     if record.versions is not None:
                         holder.version = record.versions[position]
-        if not self.keep_all:
+        if not self.holds_all_as_latest:
             self.release_unread()
-            self.prune_offloaded()
+            self.offloaded.prune()
 
     def settle_budget(self) -> None:
         """A memory budget's first call plans here; drop what the plan does not keep.
@@ -402,7 +418,7 @@ class Frame:
     # -- offload (NOTE rule 6) -------------------------------------------------
 
     def can_offload(self, t: torch.Tensor) -> bool:
-        if self.parent is not None or self.log is None or not self.store.accepts(t):
+        if self.parent is not None or self.log is None or not self.offloaded.store.accepts(t):
             return False
         base = t._base
         # A view of a parameter or an input frees nothing when copied away.
@@ -414,31 +430,8 @@ class Frame:
         """Pack: put ``t`` (once per op output) and drop the record's device copy."""
         assert holder.source is not None, "this is a bug in remat, please report it"
         record, position = holder.source
-        entry = self._offload_output(record, getattr(t, TAG)[1], position, t)
+        entry = self.offloaded.put(record, getattr(t, TAG)[1], position, t)
         return entry if entry is not None else t.detach()
-
-    def _offload_output(
-        self, record: OpRecord, index: int, position: int, t: torch.Tensor
-    ) -> Offloaded | None:
-        key = (id(record), position)
-        if key in self.offloaded:
-            if self.offloaded_versions[key] != t._version:
-                return None  # written since its copy was made: this save keeps it on device
-            return self.offloaded[key][2]  # the same value saved twice: one copy
-        if record.versions is not None and record.versions[position] != t._version:
-            # Written since the op made it: the replay would write it again on top
-            # of a copy of the written value. Kept on device instead.
-            return None
-        with _disable_current_modes():  # the copies are ours, not the region's ops
-            entry = offload(t.detach(), self.store, (self.serial, index, position))
-            placeholder = placeholder_for(t)
-        if entry is None:
-            return None
-        self.offloaded[key] = (record, index, entry)
-        self.offloaded_versions[key] = t._version
-        if record.kept is not None:
-            record.hold(position, placeholder)
-        return entry
 
     def offload_kept(self, out: Any, live: list[bool] | None) -> None:
         """End of forward: put kept ``OFFLOAD`` outputs that no holder took yet.
@@ -456,36 +449,13 @@ class Frame:
             for position, t in enumerate(record.kept):
                 if (
                     t is not None
-                    and (id(record), position) not in self.offloaded
+                    and (record, position) not in self.offloaded
                     and record.decision_at(position) is Decision.OFFLOAD
                     and (self.log.serial, index, position) not in outputs
                     and t._version == record.versions[position]
                     and self.can_offload(t)
                 ):
-                    self._offload_output(record, index, position, t)
-
-    def restore_offloaded(self, clock: int) -> list[tuple[OpRecord, int]]:
-        """Recompute: fetch offloaded outputs of ops before ``clock`` back into the records."""
-        restored = []
-        entries = sorted(self.offloaded.items(), key=lambda item: item[1][2].seq, reverse=True)
-        for (_, position), (record, index, entry) in entries:
-            if index < clock and record.kept is not None and record.versions is not None:
-                # The forward wrote to this output after its copy was made, so the
-                # replay writes to it again: give it its own copy, the entry's
-                # cached value stays what the holders saved.
-                written = record.versions[position] == -1
-                with _disable_current_modes():
-                    value = entry.get().clone() if written else entry.get()
-                record.hold(position, value)
-                restored.append((record, position))
-        return restored
-
-    def prune_offloaded(self) -> None:
-        """Forget entries of released records (holders keep theirs alive)."""
-        for key, (record, _, _) in list(self.offloaded.items()):
-            if record.kept is None:
-                del self.offloaded[key]
-                del self.offloaded_versions[key]
+                    self.offloaded.put(record, index, position, t)
 
     def release_unread(self) -> None:
         # A kept output that no live op of the recompute reads is never replayed
@@ -507,14 +477,16 @@ class Frame:
 
     def demote(self) -> None:
         """Stop being the last `save_last` region: drop what only that status kept."""
-        self.keep_all = False
+        self.holds_all_as_latest = False
         for holder in self.alive():
             if holder.demotable:
                 holder.tensor = None
                 holder.demotable = False
-        if self.log is not None:
+        if self.log is not None and self.phase is Phase.DONE:
+            # Demoted by a region run inside this forward (`finish_forward` releases
+            # then) or inside its recompute (which replays from the records): later.
             self.release_unread()
-            self.prune_offloaded()
+            self.offloaded.prune()
 
     # -- backward ------------------------------------------------------------
 
@@ -572,12 +544,12 @@ class Frame:
         # Eager regions run outside every transform: any vmap now is new.
         check_batched_recompute(self.rng, self.rng_after, frozenset(), self.region.label)
         self.stop_at = max(self.needed)
-        restored = self.restore_offloaded(max(h.clock for h in self.needed.values()))
+        restored = self.offloaded.restore(before=max(h.clock for h in self.needed.values()))
         live = self.liveness(alive) if self.log is not None else None
         replay = self._replay(live)
         # Backward inside the region's own forward (``torch.autograd.grad`` in
         # ``fn``): the recording mode must not see the recompute's ops.
-        in_forward = self.phase == "forward"
+        in_forward = self.phase is Phase.FORWARD
         try:
             with _disable_current_modes() if in_forward else contextlib.nullcontext():
                 try:
@@ -589,12 +561,8 @@ class Frame:
                 if any(h.tensor is None for h in self.needed.values()):
                     self.explain_outside_grad()
         finally:
-            self.phase = "forward" if in_forward else "done"
-            for record, position in restored:
-                if record.kept is not None:
-                    record.kept[position] = None  # the collected holders keep what they need
-            self.offloaded.clear()
-            self.offloaded_versions.clear()
+            self.phase = Phase.FORWARD if in_forward else Phase.DONE
+            self.offloaded.drop(restored)  # the collected holders keep what they need
         missing = [i for i, h in self.needed.items() if h.tensor is None]
         # Holders point back at the frame: keeping them would be a cycle that
         # holds every recomputed tensor until the garbage collector runs.
@@ -686,16 +654,10 @@ class Frame:
         return stack
 
     def _enter_recompute(self, stack: contextlib.ExitStack, replay: ReplayMode | None) -> None:
-        self.phase = "recompute"
+        self.phase = Phase.RECOMPUTE
         stack.enter_context(_pushed(self))
-        stack.enter_context(torch.enable_grad())
-        stack.enter_context(recomputing())
-        if self.rng is not None:
-            stack.enter_context(self.rng.restored())
-        stack.enter_context(self.autocast.applied())
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.collect, _identity))
-        if replay is not None:
-            stack.enter_context(replay)
+        stack.enter_context(recompute_context(self.rng, self.autocast, replay, grad=True))
         stack.enter_context(self.state_guard.guarded())
 
     def collect(
@@ -805,19 +767,12 @@ def _detached(tree: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _pushed(frame: Frame | _KeepEverything) -> Any:
+def _pushed(frame: Frame | _PlainRun) -> Any:
     local.frames.append(frame)
     try:
         yield
     finally:
         local.frames.pop()
-
-
-def _demote_previous(frame: Frame) -> None:
-    previous = local.last_region() if local.last_region is not None else None
-    if previous is not None and previous is not frame:
-        previous.demote()
-    local.last_region = weakref.ref(frame)
 
 
 def run_eager(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -826,22 +781,16 @@ def run_eager(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)  # inference: nothing will be saved
     top = local.frames[-1] if local.frames else None
-    if top is not None and top.phase == "forward":
-        out = _run_inside(top, fn, args, kwargs)  # the outer region decides (NOTE rule 4)
-        check_outputs_visible(flatten_region_io(out)[0], region.label)
-        return out
-    policy = region.policy
-    if _keeps_everything(region):
-        with _pushed(_KEEP_EVERYTHING):  # autograd as usual; inner regions run plainly
-            return fn(*args, **kwargs)
+    if top is not None and top.phase is Phase.FORWARD:
+        return _run_nested(top, region, args, kwargs)  # the outer region decides (NOTE rule 4)
     inspecting = local.inspecting  # NOTE [ Inspecting a function as it is ] (_inspect)
     frame = Frame(region, args, kwargs) if inspecting is None else inspecting.frame(
         region, args, kwargs
     )
     if top is not None:
         frame.parent = top  # running inside the outer region's recompute
-    elif policy.keeps_last_region:
-        _demote_previous(frame)
+    elif region.policy.saves_latest_region:
+        become_latest(frame)
     out = frame.run_forward()
     # Autograd would differentiate a tensor in any object, but the torch.func
     # engine cannot see one in an object it cannot flatten: both raise alike.
@@ -849,8 +798,28 @@ def run_eager(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return out
 
 
+def run_plain(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``region.fn`` as plain autograd: its policy recomputes nothing (NOTE [ Engine
+    selection ] rule 2 in ``_engines/select.py``); inner regions run plainly inside it."""
+    fn: Callable[..., Any] = region.fn
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    top = local.frames[-1] if local.frames else None
+    if top is not None and top.phase is Phase.FORWARD:
+        return _run_nested(top, region, args, kwargs)
+    with _pushed(_PLAIN_RUN):
+        return fn(*args, **kwargs)
+
+
+def _run_nested(outer: Frame | _PlainRun, region: Region, args: Any, kwargs: Any) -> Any:
+    """A region called inside another's forward runs plainly there (NOTE rule 4)."""
+    out = _run_inside(outer, region.fn, args, kwargs)
+    check_outputs_visible(flatten_region_io(out)[0], region.label)
+    return out
+
+
 def _run_inside(
-    outer: Frame | _KeepEverything, fn: Callable[..., Any], args: Any, kwargs: Any
+    outer: Frame | _PlainRun, fn: Callable[..., Any], args: Any, kwargs: Any
 ) -> Any:
     log = getattr(outer, "log", None)
     if log is None:
@@ -861,14 +830,10 @@ def _run_inside(
     return out
 
 
-def _keeps_everything(region: Region) -> bool:
-    return region.policy.keeps_everything and not region.debug  # debug: keep the op log
+class _PlainRun:
+    """Stands on the frame stack while a region runs as plain autograd (`run_plain`)."""
+
+    phase = Phase.FORWARD
 
 
-class _KeepEverything:
-    """Stands on the frame stack while an everything-saveable region runs."""
-
-    phase = "forward"
-
-
-_KEEP_EVERYTHING = _KeepEverything()
+_PLAIN_RUN = _PlainRun()

@@ -53,9 +53,10 @@ NOTE [ The functional engine ]
    (rule 3); under ``jvp``, ``jacfwd`` and ``hessian`` the region is recomputed
    in full. ``OFFLOAD`` decisions go to the host store where replay is used
    (rule 8), and stay on the device under a forward-mode level.
-6. ``save_last``: the most recent region records every output; when the next
-   ``save_last`` region starts its forward, the previous one releases what its
-   base policy would not have kept.
+6. ``save_last`` (NOTE [ The save-last chain ] in ``_engines/save_last.py``): the
+   most recent region records every output (`_SaveAllWhileLatest`); when the next
+   ``save_last`` region of either engine starts its forward, this one releases
+   what its base policy would not have kept.
 7. Same ops in forward and recompute. Composite ops decompose by whether their
    inputs require grad (``linear``/``matmul`` on 3-D inputs fold to ``mm`` in
    one case and not in the other), and the forward runs with its inputs
@@ -133,18 +134,20 @@ from .._capture.module_state import state_guard_of
 from .._compile import uncompiled
 from .._errors import RematError
 from .._offload.selection import current_store
-from .._offload.store import Offloaded, next_serial, offload, placeholder_for
 from .._policy.base import Decision, Policy
 from .._policy.name_check import check_names
 from .._pytree import check_outputs_visible, flatten_region_io
 from .._replay.autocast import AutocastState
 from .._replay.checks import OpTrace, divergence
-from .._replay.log import OpLog, OpRecord, RecordMode, ReplayMode, physical, storage_address
+from .._replay.log import OpLog, RecordMode, ReplayMode, physical, storage_address
 from .._replay.rng import RngState, check_batched_recompute, generators_of, vmap_levels
-from .._state import internal, is_recomputing, local, recomputing
+from .._state import internal, is_recomputing, local
 from .autograd_inside import differentiated_by, feeds, outside_grad_error
 from .escapes import EscapeWatch
+from .offloaded import OffloadedOutputs
+from .recompute import recompute_context
 from .region import Region
+from .save_last import become_latest
 
 __all__ = ["run_functional"]
 
@@ -169,10 +172,8 @@ def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
         RematError: ``fn`` uses a tensor the engine could not find and pass as an
             input, or the recompute differs from the forward.
     """
+    # (A policy that recomputes nothing never comes here: NOTE [ Engine selection ] rule 2.)
     fn, args, kwargs = _unpartial(region.fn, args, kwargs)
-    policy = region.policy
-    if policy.keeps_everything:
-        return fn(*args, **kwargs)  # nothing to recompute: same graph as without remat
     if _forward_ad_levels() > 1:
         # An outer forward-mode level does not differentiate a custom Function's
         # ``jvp`` rule (functorch computes tangents of tangents as zero), so
@@ -302,8 +303,10 @@ class _Call:
         self.rng_after: RngState | None = None
         self.vmap_levels = vmap_levels()
         self.autocast = AutocastState.capture()
-        #: Offloaded kept outputs (NOTE rule 8): (record, position, entry).
-        self.offloaded: list[tuple[OpRecord, int, Offloaded]] = []
+        #: Offloaded kept outputs (NOTE rule 8, NOTE [ Offloaded outputs ]).
+        self.offloaded = OffloadedOutputs(
+            lambda: current_store(region.offload_store), _below_all_levels
+        )
         #: The forward's torch calls, which every recompute must repeat (NOTE [
         #: Recompute signatures ] in ``_replay/checks.py``).
         self.trace = OpTrace(region.label, region.determinism_check)
@@ -457,7 +460,7 @@ class _Call:
         try:
             policy = self.region.policy
             with _Births(self.guard), self.watch(tensors):
-                if not policy.needs_op_trace and not policy.keeps_last_region:
+                if not policy.needs_op_trace and not policy.saves_latest_region:
                     out = self.run(tensors)
                 else:
                     self.log = _new_log(self.region, tensors)
@@ -510,7 +513,7 @@ class _Call:
     def adopt(self, twin: _Call) -> None:
         """Take the forward's records from ``twin``: a backward inside the vmap replays them."""
         self.log, self.rng, self.rng_after = twin.log, twin.rng, twin.rng_after
-        self.offloaded = twin.offloaded
+        self.offloaded.adopt(twin.offloaded)
 
     # -- offload (NOTE rule 8) -------------------------------------------------
 
@@ -522,14 +525,12 @@ class _Call:
             not self.differentiable  # no backward will come
             or is_recomputing()  # needed again at once
             or _forward_ad_active()  # the backward recomputes in full (rule 3)
-            or self.region.policy.keeps_last_region
+            or self.region.policy.saves_latest_region
         ):
             return
         # Region inputs, parameters (inputs here) and outputs are alive anyway:
         # a value sharing storage with one of them frees nothing when moved.
         alive = {storage_address(physical(t)) for t in (*tensors, *out)}
-        store = None
-        serial = next_serial()
         for index, record in enumerate(log.records):
             if record.kept is None or record.versions is None:
                 continue
@@ -541,46 +542,13 @@ class _Call:
                     or storage_address(t) in alive
                 ):
                     continue
-                if store is None:
-                    store = current_store(self.region.offload_store)
-                with _below_all_levels():  # the copies are ours, not the region's ops
-                    entry = offload(t.detach(), store, (serial, index, position))
-                    placeholder = placeholder_for(t) if entry is not None else None
-                if entry is None or placeholder is None:
-                    continue
-                record.hold(position, placeholder)
-                self.offloaded.append((record, position, entry))
+                self.offloaded.put(record, index, position, t)
 
-    def restore_offloaded(self) -> list[tuple[OpRecord, int]]:
-        """Backward: fetch offloaded outputs back into the records, newest first."""
-        restored = []
-        for record, position, entry in sorted(self.offloaded, key=lambda e: e[2].seq, reverse=True):
-            if record.kept is None or record.versions is None:
-                continue
-            with _below_all_levels():
-                value = entry.get()
-            record.hold(position, value)
-            restored.append((record, position))
-        return restored
-
-    def drop_offloaded(self) -> None:
-        """After a replayed backward: the fetched values go; a later backward reruns their ops."""
-        for record, position, _ in self.offloaded:
-            if record.kept is not None:
-                record.kept[position] = None
-        self.offloaded.clear()
-
-    @contextlib.contextmanager
-    def recompute(self, replay: bool) -> Iterator[None]:
-        """Restore what the forward saw (RNG, autocast), replaying kept outputs if ``replay``."""
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(recomputing())
-            if self.rng is not None:
-                stack.enter_context(self.rng.restored())
-            stack.enter_context(self.autocast.applied())
-            if replay and self.log is not None:
-                stack.enter_context(ReplayMode(self.log, check=self.region.determinism_check))
-            yield
+    def recompute(self, replay: bool) -> contextlib.AbstractContextManager[None]:
+        """What the forward saw (NOTE [ The recompute context ]); replaying if ``replay``."""
+        log = self.log if replay else None
+        mode = None if log is None else ReplayMode(log, check=self.region.determinism_check)
+        return recompute_context(self.rng, self.autocast, mode)
 
 
 # ---------------------------------------------------------------------------
@@ -633,14 +601,13 @@ def _backward(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.T
     # wrappers; unwrap them as functorch does for saved values of aten ops.
     inputs = tuple(_functorch.unwrap_if_dead(t) for t in inputs)
     replay = not _forward_ad_active()
-    if replay:
-        call.restore_offloaded()
+    restored = call.offloaded.restore() if replay else []
     try:
         with contextlib.nullcontext() if keep_graph else torch.no_grad():
             found = _recompute_vjp(call, inputs, wanted, grads, replay=replay)
     finally:
         if replay:
-            call.drop_offloaded()
+            call.offloaded.drop(restored)
     result: list[torch.Tensor | None] = [None] * len(inputs)
     for i, g in zip(wanted, found, strict=True):
         result[i] = g
@@ -1214,14 +1181,21 @@ class _Births(TorchDispatchMode):
 # ---------------------------------------------------------------------------
 
 
-class _KeepAll(Policy):
-    """Keep every output, remembering the base policy's verdict for the demotion."""
+class _SaveAllWhileLatest(Policy):
+    """Save every output while the region is the latest save-last one (NOTE rule 6).
+
+    It remembers the base policy's verdicts for the demotion, and is the
+    region's handle in the save-last chain (NOTE [ The save-last chain ] in
+    ``_engines/save_last.py``): the op log holds it, so it lives as long as the
+    log, and it holds the log weakly.
+    """
 
     uses_ops = True
 
     def __init__(self, base: Policy) -> None:
         self.base = base
         self.uses_names = base.uses_names
+        self.log: weakref.ref[OpLog] | None = None
 
     def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         return self.base.decide_op(op, args, kwargs) if self.base.needs_op_trace else None
@@ -1229,24 +1203,25 @@ class _KeepAll(Policy):
     def decide(self, verdict: Hashable, name: str | None) -> Decision:
         return Decision.SAVE
 
+    def demote(self) -> None:
+        log = self.log() if self.log is not None else None
+        if log is not None:
+            _demote(log, self.base)
+
 
 def _new_log(region: Region, tensors: Sequence[torch.Tensor]) -> OpLog:
     policy = region.policy
-    if not policy.keeps_last_region:
+    if not policy.saves_latest_region:
         return OpLog(log_policy(region, tensors, "functional"), region.label)
-    previous = local.last_functional_log() if local.last_functional_log is not None else None
-    if previous is not None:
-        _demote(previous)
-    log = OpLog(_KeepAll(policy), region.label)
-    local.last_functional_log = weakref.ref(log)
+    keeper = _SaveAllWhileLatest(policy)
+    log = OpLog(keeper, region.label)
+    keeper.log = weakref.ref(log)
+    become_latest(keeper)
     return log
 
 
-def _demote(log: OpLog) -> None:
+def _demote(log: OpLog, base: Policy) -> None:
     """Release what only being the last `save_last` region kept (the base policy decides)."""
-    keeper = log.policy
-    assert isinstance(keeper, _KeepAll), "this is a bug in remat, please report it"
-    base = keeper.base
     for rec in log.records:
         if rec.kept is None:
             continue

@@ -120,7 +120,7 @@ def run_lowered(
     ``eager`` runs the call in remat's engine instead, should Dynamo give up
     tracing the region whole (NOTE rule 9).
     """
-    if _depth[0] or region.policy.keeps_everything:
+    if _depth[0] or region.policy.recomputes_nothing:
         return fn(*args, **kwargs)  # NOTE rules 4 and 5
     # ``kwargs`` bound here: a keyword such as ``debug`` would go to ``checkpoint``.
     body = functools.partial(_body, fn, eager, kwargs)
