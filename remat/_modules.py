@@ -64,7 +64,7 @@ PolicyChoice = Any
 class _Forward:
     """One call's ``forward``: the module's own, with its state frozen in recompute.
 
-    Holds the module strongly, for the lifetime of one call's graph (NOTE rule 2).
+    Holds the module strongly, for the lifetime of one call's graph (rule 2).
     """
 
     def __init__(self, module: nn.Module, original: Callable[..., Any] | None) -> None:
@@ -101,7 +101,7 @@ _OPTIONS: dict[str, Any] = {
 
 
 class _RematForward:
-    """The instance attribute ``forward`` of a wrapped module (NOTE rule 1)."""
+    """The instance attribute ``forward`` of a wrapped module (NOTE [ Wrapped modules ] rule 1)."""
 
     def __init__(
         self,

@@ -37,7 +37,7 @@ NOTE [ Escaped tensors ]
    gives each escaped tensor's cotangent its part of the gradient. The call's
    name, shape and dtype are checked: a recompute that makes something else
    there raises instead of differentiating the wrong tensor.
-6. Under the vmap rule (NOTE rule 10 in ``functional.py``) the twin's forward
+6. Under the vmap rule (NOTE [ The functional engine ] rule 10) the twin's forward
    runs ``fn`` inside its own ``vmap``, where what ``fn`` lets out is a wrapper
    of that inner level, dead once it exits. So the twin watches nothing itself
    (``enabled``); the call it is for watches each example's run inside the vmap
@@ -119,7 +119,7 @@ class EscapeWatch(TorchFunctionMode):
     # -- numbering -------------------------------------------------------------
 
     def counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn``, numbering the torch calls it makes (NOTE rule 2)."""
+        """``fn``, numbering the torch calls it makes (NOTE [ Escaped tensors ] rule 2)."""
 
         def run(*args: Any, **kwargs: Any) -> Any:
             previous, self.active, self.count = self.active, True, 0
@@ -244,7 +244,7 @@ class EscapeWatch(TorchFunctionMode):
     def collect(
         self, out: Sequence[torch.Tensor]
     ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """End of forward: find escaped tensors (NOTE rule 3).
+        """End of forward: find escaped tensors (NOTE [ Escaped tensors ] rule 3).
 
         Returns ``out`` (an escaped output, or a view of one, replaced by a detached
         alias, so that the Function's output does not hold the escaped impl) and the
