@@ -71,3 +71,29 @@ def _outer_views(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         return tensors
     table = local.substitutions[-1].table
     return tuple(table.get(id(t), t) for t in tensors)
+
+
+def args_with(
+    args: tuple[Any, ...], tensor_args: list[tuple[int, Any]], table: dict[int, torch.Tensor]
+) -> tuple[Any, ...]:
+    """The user's arguments, a tensor argument itself replaced by its view.
+
+    A tensor passed as an argument may go straight into a transform ``fn``
+    runs itself (``torch.func.grad(g)(x)``), which no op substitution sees.
+    Containers stay the user's own, so what ``fn`` does to them stays done.
+    """
+    if not tensor_args:
+        return args
+    new = list(args)
+    for i, x in tensor_args:
+        new[i] = table.get(id(x), x)
+    return tuple(new)
+
+
+def kwargs_with(
+    kwargs: dict[str, Any], tensor_kwargs: list[tuple[str, Any]], table: dict[int, torch.Tensor]
+) -> dict[str, Any]:
+    """The user's keyword arguments, tensors (and tuples of them) replaced by their views."""
+    if not tensor_kwargs:
+        return kwargs
+    return {**kwargs, **{k: _with_views(x, table) for k, x in tensor_kwargs}}

@@ -19,12 +19,11 @@ from ..._budget_plans import settle
 from ..._capture.closure import Bindings, find_closed_over
 from ..._capture.module_state import state_guard_of
 from ..._offload.selection import current_store
-from ..._policy.base import Decision
 from ..._policy.name_check import check_names
 from ..._pytree import check_outputs_visible, flatten_region_io
 from ..._replay.autocast import AutocastState
 from ..._replay.checks import OpTrace, divergence
-from ..._replay.log import OpLog, RecordMode, ReplayMode, physical, storage_address
+from ..._replay.log import OpLog, RecordMode, ReplayMode
 from ..._replay.rng import RngState, generators_of, vmap_levels
 from ..._state import is_recomputing
 from ..escapes import EscapeWatch
@@ -35,7 +34,8 @@ from .arguments import (
     _argument_objects,
     _handed_over,
     _outer_views,
-    _with_views,
+    args_with,
+    kwargs_with,
 )
 from .guard import _Births, _HiddenInputGuard, unsubstituted_error
 from .levels import (
@@ -45,7 +45,7 @@ from .levels import (
     _inference_mode_errors,
     _tracked,
 )
-from .recording import _new_log
+from .recording import _new_log, offload_kept
 from .substitution import _Substitution
 
 
@@ -140,7 +140,8 @@ class _Call:
             # linked copy of a parameter) read the Function's views too.
             with substitution, self.state.guarded(), self.trace.watching(), \
                     _inference_mode_errors(self.region):
-                out = self.fn(*self.args_with(table), **self.kwargs_with(table))
+                out = self.fn(*args_with(self.args, self.tensor_args, table),
+                              **kwargs_with(self.kwargs, self.tensor_kwargs, table))
         except RuntimeError as e:
             if "wrapped->level() < level" not in str(e):
                 raise
@@ -211,39 +212,6 @@ class _Call:
         it_f, it_o = iter(floats), iter(others)
         return tuple(next(it_f) if k else next(it_o) for k in kinds)
 
-    def args_with(self, table: dict[int, torch.Tensor]) -> tuple[Any, ...]:
-        """The user's arguments, a tensor argument itself replaced by its view.
-
-        A tensor passed as an argument may go straight into a transform ``fn``
-        runs itself (``torch.func.grad(g)(x)``), which no op substitution sees.
-        Containers stay the user's own, so what ``fn`` does to them stays done.
-        """
-        if not self.tensor_args:
-            return self.args
-        args = list(self.args)
-        for i, x in self.tensor_args:
-            args[i] = table.get(id(x), x)
-        return tuple(args)
-
-    def kwargs_with(self, table: dict[int, torch.Tensor]) -> dict[str, Any]:
-        if not self.tensor_kwargs:
-            return self.kwargs
-        return {**self.kwargs, **{k: _with_views(x, table) for k, x in self.tensor_kwargs}}
-
-    def partial(
-        self, inputs: Sequence[torch.Tensor], moving: Sequence[int], outputs: Sequence[int]
-    ) -> Callable[..., tuple[torch.Tensor, ...]]:
-        """``fn`` as a function of the inputs at ``moving``, giving the outputs at ``outputs``."""
-
-        def primal(*moved: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            full = list(inputs)
-            for i, t in zip(moving, moved, strict=True):
-                full[i] = t
-            out = self.escapes.run(lambda: self.run(full))
-            return tuple(out[i] for i in outputs)
-
-        return primal
-
     def unflatten_output(self, flat: Sequence[torch.Tensor]) -> Any:
         leaves = list(self.out_leaves)
         for position, tensor in zip(self.out_positions, flat, strict=True):
@@ -292,9 +260,8 @@ class _Call:
     # -- offload (NOTE [ The functional engine ] rule 8) ----------------------------------
 
     def offload_kept(self, tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:
-        """End of forward: move kept ``OFFLOAD`` outputs to the host store."""
-        log = self.log
-        assert log is not None, "this is a bug in remat, please report it"
+        """End of forward: move kept ``OFFLOAD`` outputs to the host store (rule 8)."""
+        assert self.log is not None, "this is a bug in remat, please report it"
         if (
             not self.differentiable  # no backward will come
             or is_recomputing()  # needed again at once
@@ -302,22 +269,8 @@ class _Call:
             or self.region.policy.saves_latest_region
         ):
             return
-        # Region inputs, parameters (inputs here) and outputs are alive anyway:
-        # a value sharing storage with one of them frees nothing when moved.
-        alive = {storage_address(physical(t)) for t in (*tensors, *out)}
-        for index, record in enumerate(log.records):
-            if record.kept is None or record.versions is None:
-                continue
-            for position, t in enumerate(record.kept):
-                if (
-                    t is None
-                    or record.decision_at(position) is not Decision.OFFLOAD
-                    or t._version != record.versions[position]
-                    or storage_address(t) in alive
-                ):
-                    continue
-                self.offloaded.put(record, index, position, t)
-
+        # Region inputs, parameters (inputs here) and outputs are alive anyway.
+        offload_kept(self.log, self.offloaded, (*tensors, *out))
     def recompute(self, replay: bool) -> contextlib.AbstractContextManager[None]:
         """What the forward saw (NOTE [ The recompute context ]); replaying if ``replay``."""
         log = self.log if replay else None

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -108,7 +109,7 @@ def _jvp(ctx: Any, tangents: tuple[torch.Tensor | None, ...]) -> tuple[torch.Ten
     # Forward-mode AD interleaves tangent ops with the primal ones: no replay.
     with call.recompute(replay=False):
         out_tangents = torch.func.jvp(
-            call.partial(inputs, moving, outputs),
+            _partial(call, inputs, moving, outputs),
             tuple(inputs[i] for i in moving),
             tuple(tangents[i + 1] for i in moving),
         )[1]
@@ -136,7 +137,22 @@ def _recompute_vjp(
     moving = sorted(set(wanted) | set(call.differentiated))
 
     with call.recompute(replay):
-        primal = call.partial(inputs, moving, outputs)
+        primal = _partial(call, inputs, moving, outputs)
         vjp_fn = torch.func.vjp(primal, *(inputs[i] for i in moving))[1]
     found: tuple[torch.Tensor, ...] = vjp_fn(tuple(grads[i] for i in outputs))
     return tuple(found[moving.index(i)] for i in wanted)
+
+
+def _partial(
+    call: _Call, inputs: Sequence[torch.Tensor], moving: Sequence[int], outputs: Sequence[int]
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """``fn`` as a function of the inputs at ``moving``, giving the outputs at ``outputs``."""
+
+    def primal(*moved: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        full = list(inputs)
+        for i, t in zip(moving, moved, strict=True):
+            full[i] = t
+        out = call.escapes.run(lambda: call.run(full))
+        return tuple(out[i] for i in outputs)
+
+    return primal

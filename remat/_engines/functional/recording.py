@@ -13,7 +13,8 @@ import torch
 
 from ..._budget_plans import log_policy
 from ..._policy.base import Decision, Policy
-from ..._replay.log import OpLog
+from ..._replay.log import OpLog, physical, storage_address
+from ..offloaded import OffloadedOutputs
 from ..region import Region
 from ..save_last import become_latest
 
@@ -69,3 +70,21 @@ def _demote(log: OpLog, base: Policy) -> None:
                 rec.kept[position] = None
         if all(t is None for t in rec.kept):
             rec.release()
+
+
+def offload_kept(log: OpLog, offloaded: OffloadedOutputs, alive: Sequence[torch.Tensor]) -> None:
+    """Move the log's kept ``OFFLOAD`` outputs to the host store (NOTE [ The functional
+    engine ] rule 8), except values sharing storage with ``alive`` (they free nothing)."""
+    addresses = {storage_address(physical(t)) for t in alive}
+    for index, record in enumerate(log.records):
+        if record.kept is None or record.versions is None:
+            continue
+        for position, t in enumerate(record.kept):
+            if (
+                t is None
+                or record.decision_at(position) is not Decision.OFFLOAD
+                or t._version != record.versions[position]
+                or storage_address(t) in addresses
+            ):
+                continue
+            offloaded.put(record, index, position, t)
