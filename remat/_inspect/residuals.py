@@ -465,8 +465,8 @@ class _AsIs:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        previous = (local.inspecting, local.last_region, local.last_functional_log)
-        local.inspecting, local.last_region, local.last_functional_log = self, None, None
+        previous = (local.inspecting, local.last_region)  # one save-last chain, both engines
+        local.inspecting, local.last_region = self, None
         try:
             with (
                 torch.enable_grad(),
@@ -475,7 +475,7 @@ class _AsIs:
             ):
                 yield
         finally:
-            local.inspecting, local.last_region, local.last_functional_log = previous
+            local.inspecting, local.last_region = previous
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         self.saved.append(t)
