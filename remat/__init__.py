@@ -29,12 +29,12 @@ from ._inspect.residuals import residual_totals as residual_totals
 from ._inspect.residuals import saved_residuals as saved_residuals
 from ._modules import apply as apply
 from ._modules import is_wrapped as is_wrapped
-from ._modules import sequential as sequential
 from ._modules import unwrap as unwrap
 from ._modules import wrap as wrap
 from ._offload.cuda import CudaHostStore as CudaHostStore
 from ._offload.selection import use_host_store as use_host_store
 from ._offload.store import HostStore as HostStore
+from ._sequential import sequential as sequential
 from ._state import is_recomputing as is_recomputing
 
 __all__ = [

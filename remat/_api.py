@@ -11,12 +11,11 @@ from typing import Any, Literal, TypeVar, overload
 import torch
 
 from . import policies
-from ._compile import uncompiled
-from ._engines.eager import TorchFuncInsideError, run_eager
-from ._engines.lowered import contexts_for, lowers, run_lowered
+from ._engines.eager import TorchFuncInsideError, run_eager, run_plain
+from ._engines.lowered import contexts_for
 from ._engines.lowered_names import traced_name
 from ._engines.region import Region, describe_callable
-from ._errors import RematError
+from ._engines.select import EngineKind, engine_for, run_call
 from ._offload.store import HostStore
 from ._pytree import tensor_leaves
 from ._replay.checks import inner_region, refuse_growing_cache
@@ -263,10 +262,8 @@ def call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     Traced by ``torch.compile``, the call is lowered into the compiled graph
     when it can be (``_engines/lowered.py``) and is a graph break otherwise.
     """
-    if lowers(region):
-        eager = functools.partial(uncompiled, _call_region, region)
-        return run_lowered(region, region.fn, args, kwargs, eager)
-    return uncompiled(_call_region, region, args, kwargs)
+    run = functools.partial(_call_region, region)
+    return run_call(region, lambda: region.fn, args, kwargs, run)
 
 
 def _call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -276,7 +273,7 @@ def _call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) 
                 f"remat.remat: static_argnums contains {i}, but {region.label} was called "
                 f"with {len(args)} positional arguments"
             )
-    if torch.is_grad_enabled() and not region.policy.keeps_everything:
+    if torch.is_grad_enabled() and not region.policy.recomputes_nothing:
         refuse_growing_cache(region.label, args, kwargs)  # nothing to recompute otherwise
     # Inside another region's traced run, one entry there whatever the engine (the
     # engine may differ between forward and recompute): NOTE [ Recompute signatures ].
@@ -285,18 +282,12 @@ def _call_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 
 
 def _run_on_engine(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    engine = region.engine
-    if engine == "eager" and _transform_active():
-        raise RematError(
-            f"remat: {region.label} was asked for engine='eager' inside a torch.func "
-            "transform, where saved-tensor hooks do not run. Use engine='auto' (the "
-            "default) or engine='functional' for regions called under torch.func."
-        )
-    if engine == "functional" or (
-        engine == "auto" and (_transform_active() or _torch_func_key(region) in _USES_TORCH_FUNC)
-    ):
+    engine = engine_for(region, _torch_func_key(region) in _USES_TORCH_FUNC)
+    if engine is EngineKind.PLAIN:
+        return run_plain(region, args, kwargs)
+    if engine is EngineKind.FUNCTIONAL:
         return _run_functional(region, args, kwargs)
-    if engine == "eager":
+    if region.engine == "eager":
         return run_eager(region, args, kwargs)
     try:
         return run_eager(region, args, kwargs)
@@ -326,10 +317,6 @@ def _run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any
     from ._engines.functional import run_functional
 
     return run_functional(region, args, kwargs)
-
-
-def _transform_active() -> bool:
-    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def _normalize(value: Any, kind: type, what: str) -> tuple[Any, ...]:

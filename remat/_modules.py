@@ -1,4 +1,5 @@
-"""Rematerialize modules: `wrap`, `unwrap`, `apply`, `sequential`, and module state.
+"""Rematerialize modules: `wrap`, `unwrap`, `apply`, and module state (`sequential`:
+``_sequential.py``).
 
 NOTE [ Wrapped modules ]
 1. `wrap` sets an *instance* attribute ``forward`` (a `_RematForward`) on the
@@ -33,24 +34,21 @@ import functools
 import inspect
 import types
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-import torch
 from torch import nn
 
 from . import policies
-from ._api import call_region, check_options, make_region, remat
+from ._api import call_region, check_options, make_region
 from ._capture.module_state import StateGuard
-from ._compile import uncompiled
 from ._declared_layers import is_declared_layer, warn_if_checkpointed_twice
-from ._engines.lowered import lowers, run_lowered
+from ._engines.select import run_call
 from .policies import PolicyLike
 
 __all__ = [
     "apply",
     "is_wrapped",
-    "sequential",
     "unwrap",
     "wrap",
 ]
@@ -66,7 +64,7 @@ PolicyChoice = Any
 class _Forward:
     """One call's ``forward``: the module's own, with its state frozen in recompute.
 
-    Holds the module strongly, for the lifetime of one call's graph (NOTE rule 2).
+    Holds the module strongly, for the lifetime of one call's graph (rule 2).
     """
 
     def __init__(self, module: nn.Module, original: Callable[..., Any] | None) -> None:
@@ -103,7 +101,7 @@ _OPTIONS: dict[str, Any] = {
 
 
 class _RematForward:
-    """The instance attribute ``forward`` of a wrapped module (NOTE rule 1)."""
+    """The instance attribute ``forward`` of a wrapped module (NOTE [ Wrapped modules ] rule 1)."""
 
     def __init__(
         self,
@@ -129,15 +127,15 @@ class _RematForward:
         return self.region.policy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if lowers(self.region):
-            module = self.module_ref()
-            assert module is not None, "this is a bug in remat, please report it"
-            # Not a `_Forward`: Dynamo traces neither its bound method nor its guard,
-            # and compiled code needs no guard (NOTE [ Lowering under torch.compile ]).
-            forward = self.original or functools.partial(type(module).forward, module)
-            eager = functools.partial(uncompiled, self._call)
-            return run_lowered(self.region, forward, args, kwargs, eager)
-        return uncompiled(self._call, args, kwargs)
+        return run_call(self.region, self._traced_forward, args, kwargs, self._call)
+
+    def _traced_forward(self) -> Callable[..., Any]:
+        """What a lowered call traces (NOTE [ Engine selection ] rule 1)."""
+        module = self.module_ref()
+        assert module is not None, "this is a bug in remat, please report it"
+        # Not a `_Forward`: Dynamo traces neither its bound method nor its guard,
+        # and compiled code needs no guard (NOTE [ Lowering under torch.compile ]).
+        return self.original or functools.partial(type(module).forward, module)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self.module_ref()
@@ -425,106 +423,3 @@ def _is_policy_callback(policy: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return len(params) == 2 and params[0] == "name"
-
-
-# -- sequential ----------------------------------------------------------------
-
-
-class _Segment:
-    """Layers ``[start, stop)`` of a sequence, run one after another."""
-
-    def __init__(self, layers: Sequence[Callable[..., Any]]) -> None:
-        # An attribute (not a closure cell) so the torch.func engine finds the modules.
-        self.layers = list(layers)
-        self.__qualname__ = "remat.sequential segment"
-        self.state = StateGuard(
-            self.__qualname__, roots=[m for m in self.layers if isinstance(m, nn.Module)]
-        )
-        self.remat_guards_modules = True  # see `state_guard_of`
-
-    def __call__(self, x: Any) -> Any:
-        if torch.compiler.is_compiling():  # lowered: no guard (NOTE [ Lowering ... ] rule 8)
-            return self._run(x)
-        with self.state.guarded():
-            return self._run(x)
-
-    def _run(self, x: Any) -> Any:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-def segment_bounds(n: int, segments: int) -> list[tuple[int, int]]:
-    """Split ``n`` layers into ``segments`` runs, as ``checkpoint_sequential`` does.
-
-    Every segment but the last has ``n // segments`` layers; the last takes the
-    rest (so it is the largest).
-
-    Examples:
-        >>> from remat._modules import segment_bounds
-        >>> segment_bounds(7, 3)
-        [(0, 2), (2, 4), (4, 7)]
-    """
-    if not 1 <= segments <= n:
-        raise ValueError(
-            f"remat.sequential: segments must be between 1 and the number of layers ({n}), "
-            f"got {segments}"
-        )
-    size = n // segments
-    bounds = [(i * size, (i + 1) * size) for i in range(segments - 1)]
-    bounds.append(((segments - 1) * size, n))
-    return bounds
-
-
-def sequential(
-    layers: nn.Sequential | nn.ModuleList | Sequence[Callable[..., Any]],
-    x: Any,
-    /,
-    *,
-    segments: int = 1,
-    policy: PolicyLike = "save-last",
-    **remat_options: Any,
-) -> Any:
-    """Run ``layers`` on ``x`` in ``segments`` rematerialized segments; return the output.
-
-    Each layer gets the previous layer's output (any pytree) as its single
-    argument. The layers are split as ``torch.utils.checkpoint.checkpoint_sequential``
-    splits them (see `segment_bounds`), but *every* segment is a region. Under
-    the default ``"save-last"`` the most recent segment keeps its activations,
-    so backward starts without recomputing it (6 layers in 3 segments: layer
-    forward counts ``[2, 2, 2, 2, 1, 1]``, as ``checkpoint_sequential``);
-    ``"nothing-saveable"`` recomputes every segment, the last one too.
-
-    Args:
-        layers (nn.Sequential | nn.ModuleList | sequence of callables): the layers.
-        x: the input of the first layer.
-        segments (int, optional): how many regions, from 1 to ``len(layers)``.
-            Default: 1.
-        policy (optional): the policy of every segment, as for `remat.remat`.
-            Default: "save-last".
-        **remat_options: the other options of `remat.remat`.
-
-    Returns:
-        The last layer's output.
-
-    Raises:
-        ValueError: ``segments`` is out of range.
-        TypeError: a layer is not callable.
-
-    Examples:
-        >>> import torch, remat
-        >>> net = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
-        >>> y = remat.sequential(net, torch.randn(2, 4), segments=3)
-        >>> y.sum().backward()
-        >>> net[0].weight.grad.shape
-        torch.Size([4, 4])
-    """
-    _check_options("remat.sequential", remat_options)
-    policies.resolve(policy)
-    layers = list(layers)
-    for i, layer in enumerate(layers):
-        if not callable(layer):
-            raise TypeError(f"remat.sequential: layer {i} is not callable: {layer!r}")
-    for start, stop in segment_bounds(len(layers), segments):
-        x = remat(_Segment(layers[start:stop]), policy=policy, **remat_options)(x)
-    return x

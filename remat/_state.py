@@ -19,11 +19,9 @@ class _Local(threading.local):
         self.frames: list[Any] = []
         #: Op recorders (RecordMode) that `checkpoint_name` reports to, innermost last.
         self.recorders: list[Any] = []
-        #: Weak references to the `save_last` frames that are last, one per chain of
-        #: dependent regions (NOTE [ The last region of a chain ] in ``last_regions.py``).
+        #: Weak references to the latest `save_last` regions' handles, either engine's
+        #: (NOTE [ The save-last chain ] in ``_engines/save_last.py``).
         self.last_regions: list[Any] = []
-        #: The same for the torch.func engine: the op log of its last `save_last` region.
-        self.last_functional_log: Any = None
         #: How many of remat's own blocks of tensor work (snapshots, copies) are running
         #: inside a user function: calls made there are not the function's (`internal`).
         self.internal_depth = 0

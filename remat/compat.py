@@ -38,8 +38,8 @@ from torch import nn
 
 from ._api import remat
 from ._engines.region import describe_callable
-from ._modules import sequential
 from ._policy.contexts import policy_of_context_fn
+from ._sequential import sequential
 from .policies import PolicyLike
 
 __all__ = ["checkpoint", "checkpoint_sequential"]

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("remat._capture",),
     ("remat._engines",),
     ("remat._api",),
-    ("remat._modules", "remat._inspect"),
+    ("remat._modules", "remat._sequential", "remat._inspect"),
     ("remat._demo_model", "remat.testing", "remat.compat", "remat.integrations"),
     ("remat", "remat.__main__"),
 ]

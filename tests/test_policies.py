@@ -82,7 +82,7 @@ def test_plus_with_three_parts_folds_left() -> None:
         P.save_from_both_policies(P.save_only_these_names("a"), P.dots_saveable), P.save_last
     )
     assert p == expected
-    assert p.uses_ops and p.uses_names and p.keeps_last_region
+    assert p.uses_ops and p.uses_names and p.saves_latest_region
 
 
 def test_add_operator() -> None:
@@ -271,8 +271,8 @@ def test_frozen() -> None:
 def test_flags() -> None:
     for p in (P.nothing_saveable, P.everything_saveable, P.save_last):
         assert not p.uses_ops and not p.uses_names and not p.needs_op_trace
-    assert P.save_last.keeps_last_region
-    assert not P.nothing_saveable.keeps_last_region
+    assert P.save_last.saves_latest_region
+    assert not P.nothing_saveable.saves_latest_region
     assert P.nothing_saveable.decision_without_ops() is R
     assert P.everything_saveable.decision_without_ops() is S
     assert P.save_last.decision_without_ops() is R
@@ -286,7 +286,7 @@ def test_flags() -> None:
     ):
         assert not p.uses_ops and p.uses_names and p.needs_op_trace
     both = P.save_from_both_policies(P.save_last, P.save_only_these_names("a"))
-    assert (both.uses_ops, both.uses_names, both.keeps_last_region) == (False, True, True)
+    assert (both.uses_ops, both.uses_names, both.saves_latest_region) == (False, True, True)
 
 
 def test_offload_dst() -> None:
@@ -507,8 +507,7 @@ def test_save_from_both_is_max_and_commutative(
     expected = max(decide(a, op, name), decide(b, op, name))
     assert decide(ab, op, name) == expected
     assert decide(ba, op, name) == expected
-    assert (
-        ab.keeps_last_region == ba.keeps_last_region == (a.keeps_last_region or b.keeps_last_region)
-    )
+    either = a.saves_latest_region or b.saves_latest_region
+    assert ab.saves_latest_region == ba.saves_latest_region == either
     assert ab.uses_ops == (a.uses_ops or b.uses_ops)
     assert ab.uses_names == (a.uses_names or b.uses_names)

@@ -37,7 +37,7 @@ NOTE [ Escaped tensors ]
    gives each escaped tensor's cotangent its part of the gradient. The call's
    name, shape and dtype are checked: a recompute that makes something else
    there raises instead of differentiating the wrong tensor.
-6. Under the vmap rule (NOTE rule 10 in ``functional.py``) the twin's forward
+6. Under the vmap rule (NOTE [ The functional engine ] rule 10) the twin's forward
    runs ``fn`` inside its own ``vmap``, where what ``fn`` lets out is a wrapper
    of that inner level, dead once it exits. So the twin watches nothing itself
    (``enabled``); the call it is for watches each example's run inside the vmap
@@ -55,80 +55,24 @@ NOTE [ Escaped tensors ]
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import sys
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
 import torch
-from torch.overrides import TorchFunctionMode
 
 from .._errors import NondeterministicRecomputeError, RematError
 from .._replay.checks import CURES
 from .._state import local
+from .escape_notes import EscapeNotes, _Escape, _name
 
 __all__ = ["EscapeWatch"]
 
 _functorch = torch._C._functorch
 
-#: Calls whose output carries no gradient whatever their input (``.data`` is a property).
-_DETACHING = frozenset({"detach", "detach_", "data"})
-
-
-@dataclasses.dataclass(eq=False)
-class _Escape:
-    """One tensor that left the forward other than through its outputs."""
-
-    call: int
-    position: int
-    op: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    #: The user's Python object until `EscapeWatch.adopt` swaps it (then None).
-    target: torch.Tensor | None = None
-
-    def describe(self) -> str:
-        return f"shape {self.shape}, dtype {self.dtype}, made by {self.op}"
-
-
-class EscapeWatch(TorchFunctionMode):
+class EscapeWatch(EscapeNotes):
     """Find tensors ``fn`` hands out besides its outputs; capture them again in recompute."""
-
-    def __init__(self, label: str) -> None:
-        super().__init__()
-        self.label = label
-        #: Whether ``fn`` itself is running (only its calls are numbered).
-        self.active = False
-        self.count = 0
-        #: Forward: (call, position, weak reference, op name) of each tainted output.
-        self.noted: list[tuple[int, int, Any, str]] = []
-        self.tainted: set[int] = set()
-        #: Forward: whether grad mode inside ``fn`` tells what carries a gradient.
-        self.grad_mode_counts = True
-        self.noting = False
-        self.found: list[_Escape] = []
-        #: Recompute: call number -> [(position, slot in ``captured``)].
-        self.wanted: dict[int, list[tuple[int, int]]] | None = None
-        self.captured: list[torch.Tensor | None] = []
-        #: False for a vmap twin: the call it is for watches inside the vmap (rule 6).
-        self.enabled = True
-
-    # -- numbering -------------------------------------------------------------
-
-    def counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn``, numbering the torch calls it makes (NOTE rule 2)."""
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            previous, self.active, self.count = self.active, True, 0
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.active = previous
-
-        return run
 
     def __torch_function__(
         self,
@@ -151,100 +95,12 @@ class EscapeWatch(TorchFunctionMode):
             self.note(func, args, kwargs, arg_leaves, optree.tree_leaves(out, none_is_leaf=True))
         return out
 
-    # -- forward ---------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def watching(self, differentiated: Sequence[torch.Tensor]) -> Iterator[None]:
-        """The forward: `note` tainted outputs of ``fn``'s calls (seeds: differentiated inputs).
-
-        The forward's `TorchFunctionMode` (the engine's hidden-input guard, the
-        only one there) calls `note` for each call: one mode less on every op.
-        """
-        if not self.enabled:
-            yield
-            return
-        self.taint(differentiated)
-        # The Function runs the plain forward with grad disabled: then grad mode
-        # inside ``fn`` says nothing, and every tainted output may carry a gradient.
-        self.grad_mode_counts = torch.is_grad_enabled()
-        self.noting = True
-        try:
-            yield
-        finally:
-            self.noting = False
-
-    @contextlib.contextmanager
-    def watching_calls(self, differentiated: Sequence[torch.Tensor]) -> Iterator[None]:
-        """`watching`, this watch itself noting each call (no guard runs there, rule 6)."""
-        with self.watching(differentiated), self:
-            yield
-
-    def taint(self, tensors: Sequence[Any]) -> None:
-        self.tainted.update(id(t) for t in tensors if isinstance(t, torch.Tensor))
-
-    def note(
-        self,
-        func: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        arg_leaves: list[Any],
-        leaves: list[Any],
-    ) -> None:
-        """A torch call in the forward: number it, note its tainted outputs (rule 2).
-
-        ``arg_leaves`` are the leaves of ``(args, kwargs)``, ``leaves`` those of its
-        output with ``none_is_leaf=True`` (as `_capture` numbers them).
-        """
-        if not (self.noting and self.active) or local.internal_depth:
-            return
-        index = self.count
-        self.count += 1
-        # Our reads (``is_floating_point``) are torch calls: modes below must not number
-        # them (`internal`, inlined: this runs on every call of the forward).
-        local.internal_depth += 1
-        try:
-            self._note(index, func, args, kwargs, arg_leaves, leaves)
-        finally:
-            local.internal_depth -= 1
-
-    def _note(
-        self,
-        index: int,
-        func: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        arg_leaves: list[Any],
-        leaves: list[Any],
-    ) -> None:
-        name = _name(func)
-        if name in _DETACHING or (self.grad_mode_counts and not torch.is_grad_enabled()):
-            return
-        tainted = self.tainted
-        given = {id(leaf) for leaf in arg_leaves}
-        if tainted.isdisjoint(given):
-            return
-        for position, t in enumerate(leaves):
-            # An op may return an argument itself (``to`` a dtype it has, in-place
-            # ops): that tensor was not made here, and may be the engine's input.
-            if (
-                isinstance(t, torch.Tensor)
-                and id(t) not in given
-                and (t.is_floating_point() or t.is_complex())
-            ):
-                tainted.add(id(t))
-                self.noted.append((index, position, weakref.ref(t), name))
-        # An in-place write (``a.add_(b)``, ``a[i] = b``, ``out=``) taints its target.
-        if args and isinstance(args[0], torch.Tensor) and (
-            (name.endswith("_") and not name.endswith("__")) or name == "__setitem__"
-        ):
-            tainted.add(id(args[0]))
-        if isinstance(kwargs.get("out"), torch.Tensor):
-            tainted.add(id(kwargs["out"]))
+    # -- end of forward, recompute ----------------------------------------------
 
     def collect(
         self, out: Sequence[torch.Tensor]
     ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """End of forward: find escaped tensors (NOTE rule 3).
+        """End of forward: find escaped tensors (NOTE [ Escaped tensors ] rule 3).
 
         Returns ``out`` (an escaped output, or a view of one, replaced by a detached
         alias, so that the Function's output does not hold the escaped impl) and the
@@ -305,8 +161,6 @@ class EscapeWatch(TorchFunctionMode):
             except RuntimeError as err:
                 raise self._error(escape, f"the swap was refused: {err}") from err
             del target, output  # ``output`` now holds the forward's value: let it go
-
-    # -- recompute -------------------------------------------------------------
 
     def run(self, run: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
         """``run()``'s outputs followed by the escaped tensors of this recompute (rule 5)."""
@@ -377,15 +231,6 @@ class EscapeWatch(TorchFunctionMode):
             "runs another rematerialized region, or runs inside one, remat only one of "
             f"them.{cures}"
         )
-
-
-def _name(func: Any) -> str:
-    """A torch call's name; a property's getter is named by the property (``data``, ``T``)."""
-    name = getattr(func, "__name__", None)
-    if name == "__get__":
-        name = getattr(getattr(func, "__self__", None), "__name__", None)
-    return name if isinstance(name, str) else str(func)
-
 
 def _below_dead_levels(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` without the wrappers of levels that exited with the forward (its inner vjp).

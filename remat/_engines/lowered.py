@@ -84,14 +84,14 @@ from .region import Region
 
 __all__ = ["contexts_for", "lowers", "run_lowered"]
 
-#: Lowered regions being traced around this call (NOTE rule 5). A list, not a
+#: Lowered regions being traced around this call (rule 5). A list, not a
 #: thread-local: Dynamo tracks mutations of module-level lists while tracing.
 _depth = [0]
 
 
 def lowers(region: Region) -> bool:
     """Whether this call of ``region`` is lowered: Dynamo traces it, and it can be
-    (NOTE rule 1), or it runs inside a lowered region (rule 5)."""
+    (NOTE [ Lowering under torch.compile ] rule 1), or it runs inside a lowered region (rule 5)."""
     if not torch.compiler.is_compiling():
         return False
     if _depth[0]:
@@ -118,10 +118,10 @@ def run_lowered(
     """``fn(*args, **kwargs)`` as a selective checkpoint with ``region``'s policy.
 
     ``eager`` runs the call in remat's engine instead, should Dynamo give up
-    tracing the region whole (NOTE rule 9).
+    tracing the region whole (NOTE [ Lowering under torch.compile ] rule 9).
     """
-    if _depth[0] or region.policy.keeps_everything:
-        return fn(*args, **kwargs)  # NOTE rules 4 and 5
+    if _depth[0] or region.policy.recomputes_nothing:
+        return fn(*args, **kwargs)  # NOTE [ Lowering under torch.compile ] rules 4 and 5
     # ``kwargs`` bound here: a keyword such as ``debug`` would go to ``checkpoint``.
     body = functools.partial(_body, fn, eager, kwargs)
     context_fn: Any = region.selective
@@ -139,7 +139,7 @@ def run_lowered(
 def _body(fn: Callable[..., Any], eager: Eager, kwargs: dict[str, Any], *args: Any) -> Any:
     if torch.compiler.is_compiling():
         return fn(*args, **kwargs)  # traced into the checkpoint's graph
-    # Run by torch's checkpoint in eager mode (NOTE rule 9): leave it a shell.
+    # Run by torch's checkpoint in eager mode (rule 9): leave it a shell.
     for mode in reversed(_get_current_dispatch_mode_stack()):
         if isinstance(mode, _ForwardMode):
             mode.shell = True
@@ -157,14 +157,14 @@ class _SelectivePolicy:
         self.policy = policy
 
     def verdict(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The policy's verdict on ``op``, or None for an op never kept (NOTE rule 2)."""
+        """The policy's verdict on ``op``, or None for an op never kept (rule 2)."""
         if not isinstance(op, torch._ops.OpOverload):
             return None  # a higher-order op
         traits = _traits(op)
         if traits.writes or _draws_random(traits, args, kwargs):
             return None
         if op.is_view:
-            return None  # NOTE rule 10: recomputed from its base, for nothing
+            return None  # rule 10: recomputed from its base, for nothing
         return self.policy.decide_op(op, args, kwargs)
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -173,7 +173,7 @@ class _SelectivePolicy:
             return CheckpointPolicy.PREFER_RECOMPUTE
         several = isinstance(getattr(ctx, "op_output", None), (tuple, list))
         if several and torch._functorch.config.activation_memory_budget < 1:
-            return CheckpointPolicy.PREFER_SAVE  # NOTE rule 7
+            return CheckpointPolicy.PREFER_SAVE  # NOTE [ Lowering under torch.compile ] rule 7
         return CheckpointPolicy.MUST_SAVE
 
 
@@ -181,14 +181,14 @@ class _ForwardMode(torch_checkpoint._CachingTorchDispatchMode):
     """Torch's forward mode, which snapshots the random state and keeps nothing eagerly.
 
     Run while tracing, it tags ops with the policy's choices. Run eagerly
-    (NOTE rule 6) it recomputes every op, whatever the policy: torch's eager
+    (rule 6) it recomputes every op, whatever the policy: torch's eager
     selective checkpoint hands a kept output to one backward only and refuses
     one written in place later (a residual ``h += x``), where plain autograd
     and remat's engines do neither.
     """
 
     rng: RngState | None = None
-    #: Remat's engine runs the region inside: pass every op through (NOTE rule 9).
+    #: Remat's engine runs the region inside: pass every op through (rule 9).
     shell = False
 
     def __init__(self, policy_fn: _SelectivePolicy, storage: Any) -> None:
@@ -227,7 +227,7 @@ def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Check
 
 
 class _RecomputeMode(torch_checkpoint._CachedTorchDispatchMode):
-    """Torch's recompute mode, run with the forward's random state (NOTE rule 6)."""
+    """Torch's recompute mode, run with the forward's random state (rule 6)."""
 
     def __init__(self, forward: _ForwardMode, storage: Any) -> None:
         super().__init__(None, storage)

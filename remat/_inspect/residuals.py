@@ -266,7 +266,7 @@ class _InspectFrame(Frame):
     ) -> None:
         super().__init__(region, args, kwargs)
         #: The engine runs such a policy as plain autograd (no op log): everything saved.
-        self.plain = region.policy.keeps_everything
+        self.plain = region.policy.recomputes_nothing
         self.input_paths = input_paths
         self.param_names = {id(t): name for name, t in params.items()}
         #: holder index -> where the tensor comes from, for tensors alive anyway.
@@ -281,8 +281,8 @@ class _InspectFrame(Frame):
             if getattr(t, _MADE, None) is None:
                 self.base.setdefault(_ptr(t), "argument " + input_paths.get(id(t), "?"))
 
-    def decide(self, t: torch.Tensor, holder: Holder) -> Decision:
-        decision = super().decide(t, holder)
+    def decision_for(self, t: torch.Tensor, holder: Holder) -> Decision:
+        decision = super().decision_for(t, holder)
         return Decision.SAVE if self.plain else decision
 
     def pack(self, t: torch.Tensor) -> Holder:
@@ -465,8 +465,8 @@ class _AsIs:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        previous = (local.inspecting, local.last_regions, local.last_functional_log)
-        local.inspecting, local.last_regions, local.last_functional_log = self, [], None
+        previous = (local.inspecting, local.last_regions)  # one save-last list, both engines
+        local.inspecting, local.last_regions = self, []
         try:
             with (
                 torch.enable_grad(),
@@ -475,7 +475,7 @@ class _AsIs:
             ):
                 yield
         finally:
-            local.inspecting, local.last_regions, local.last_functional_log = previous
+            local.inspecting, local.last_regions = previous
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         self.saved.append(t)

@@ -35,8 +35,9 @@ class Policy(abc.ABC):
     uses_ops: bool = False
     #: True when ``decide`` can give a named value another decision than its op's.
     uses_names: bool = False
-    #: True for ``save_last``: the most recent region keeps every output.
-    keeps_last_region: bool = False
+    #: True for ``save_last``: the most recent region keeps every output (NOTE [ The
+    #: save-last chain ] in ``_engines/save_last.py``).
+    saves_latest_region: bool = False
     #: Where ``OFFLOAD`` decisions send values ("cpu": pinned host memory).
     offload_dst: str = "cpu"
     #: True for a memory budget's first call: the log keeps every op's input shapes.
@@ -65,9 +66,10 @@ class Policy(abc.ABC):
         return self.decide(self.decide_op(None, (), {}), None)
 
     @property
-    def keeps_everything(self) -> bool:
-        """Whether the policy keeps every output: a region then runs as plain autograd."""
-        if self.needs_op_trace or self.keeps_last_region:
+    def recomputes_nothing(self) -> bool:
+        """Whether the policy recomputes no output (it saves or offloads each): a region
+        then runs as plain autograd (the engines' selection, ``_engines/select.py``)."""
+        if self.needs_op_trace or self.saves_latest_region:
             return False
         return self.decision_without_ops() is not Decision.RECOMPUTE
 

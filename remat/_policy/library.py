@@ -54,7 +54,7 @@ class NothingSaveable(Policy):
 class SaveLast(Policy):
     """Keep every output of the most recent region; recompute the others."""
 
-    keeps_last_region = True
+    saves_latest_region = True
 
     def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         return Decision.RECOMPUTE
@@ -372,7 +372,7 @@ class SaveFromBothPolicies(Policy):
     b: Policy
 
     def __post_init__(self) -> None:
-        for flag in ("uses_ops", "uses_names", "keeps_last_region"):
+        for flag in ("uses_ops", "uses_names", "saves_latest_region"):
             object.__setattr__(self, flag, getattr(self.a, flag) or getattr(self.b, flag))
         if self.a.offload_dst != self.b.offload_dst:
             raise ValueError(

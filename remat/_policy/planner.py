@@ -1,7 +1,7 @@
 """The memory-budget planner: which op outputs a region keeps so that it fits a budget.
 
 NOTE [ The budget planner ]
-1. The input is a `Program`, made from one recorded forward (``_budget_plans.py``):
+1. The input is a `Program`, made from one recorded forward (``_engines/budget_plans.py``):
    per op its recompute cost (``_op_cost.py``), whether keeping it can help
    (random, in-place and data-reading ops are never kept; neither is an output
    written in place after it was made), the ops that produced its inputs, and

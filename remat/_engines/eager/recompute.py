@@ -1,0 +1,219 @@
+"""The recompute phase: the first unpack of an empty holder reruns the region (NOTE [ The
+eager engine ] rules 2 and 4 in ``__init__.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..._compile import uncompiled
+from ..._errors import NondeterministicRecomputeError, RematError
+from ..._offload.store import Offloaded
+from ..._pytree import tensor_leaves
+from ..._replay.checks import (
+    CURES,
+)
+from ..._replay.log import ReplayMode, side_by_side
+from ..._replay.rng import check_batched_recompute
+from ..autograd_inside import GradWatch, OutsideGradError, feeds
+from ..recompute import recompute_context
+from .finish import FinishingFrame
+from .state import (
+    Holder,
+    Phase,
+    _detached,
+    _identity,
+    _pushed,
+    _StopRecompute,
+)
+
+
+class RecomputingFrame(FinishingFrame):
+    """Unpack and recompute: backward asks for what a frame's holders stand for."""
+
+    def unpack(self, holder: Holder) -> torch.Tensor:
+        # A ``loss.backward()`` inside compiled code runs this hook where Dynamo
+        # would compile the recompute (see ``_compile.py``).
+        return uncompiled(self._unpack, holder)
+
+    def _unpack(self, holder: Holder) -> torch.Tensor:
+        if isinstance(holder.tensor, torch.Tensor) and holder.tensor._version != holder.version:
+            self.written_since_saved(holder)
+        if holder.tensor is None:
+            self.recompute()
+        value = holder.tensor
+        if isinstance(value, Holder):
+            return value.frame.unpack(value)
+        if isinstance(value, Offloaded):
+            with _disable_current_modes():
+                return value.get()
+        if value is None:
+            raise RematError(
+                f"remat: the recompute of {self.region.label} did not produce saved tensor "
+                f"#{holder.index}. This is a bug in remat, please report it."
+            )
+        return value
+
+    def recompute(self) -> None:
+        alive = self.alive()
+        self.needed = {h.index: h for h in alive if h.tensor is None}
+        if not self.needed:
+            return
+        self.check_inputs()
+        # Eager regions run outside every transform: any vmap now is new.
+        check_batched_recompute(self.rng, self.rng_after, frozenset(), self.region.label)
+        self.stop_at = max(self.needed)
+        restored = self.offloaded.restore(before=max(h.clock for h in self.needed.values()))
+        live = self.liveness(alive) if self.log is not None else None
+        replay = self._replay(live)
+        # Backward inside the region's own forward (``torch.autograd.grad`` in
+        # ``fn``): the recording mode must not see the recompute's ops.
+        in_forward = self.phase is Phase.FORWARD
+        try:
+            with _disable_current_modes() if in_forward else contextlib.nullcontext():
+                try:
+                    with self.grad_watch():
+                        self._recompute_or_retry(replay, live)
+                except RuntimeError:
+                    self.explain_outside_grad()
+                    raise
+                if any(h.tensor is None for h in self.needed.values()):
+                    self.explain_outside_grad()
+        finally:
+            self.phase = Phase.FORWARD if in_forward else Phase.DONE
+            self.offloaded.drop(restored)  # the collected holders keep what they need
+        missing = [i for i, h in self.needed.items() if h.tensor is None]
+        # Holders point back at the frame: keeping them would be a cycle that
+        # holds every recomputed tensor until the garbage collector runs.
+        self.needed = {}
+        if missing:
+            raise NondeterministicRecomputeError(
+                f"remat: the recompute of {self.region.label} differs from its forward: it "
+                f"saved {next(self.recompute_counter)} tensors, the forward "
+                f"{len(self.holders)}: it ran different ops the second time. Its gradients "
+                f"would be wrong. {CURES}" + self._logs(replay)
+            )
+
+    def grad_watch(self) -> contextlib.AbstractContextManager[Any]:
+        """A `GradWatch` for a recompute whose forward ran a backward, else nothing.
+
+        A tensor reaching ``fn`` both directly and through a non-leaf argument
+        would get, in the recompute, a gradient without the second path: wrong,
+        and silent. Only regions whose forward ran a backward pay for the watch.
+        """
+        outer = [t for t in self.inputs if t.grad_fn is not None]
+        if not self.inner_backward or not outer:
+            return contextlib.nullcontext()
+        return GradWatch(self.region.label, lambda t: feeds(t, outer))
+
+    def explain_outside_grad(self) -> None:
+        """The recompute failed: raise `OutsideGradError` if that is why.
+
+        ``fn`` may call ``torch.autograd.grad`` with respect to a tensor that
+        reaches it only through a non-leaf argument (NOTE in ``_engines/autograd_inside.py``):
+        the forward saw that path, the recompute (on detached arguments) cannot.
+        Run again, watching those calls, only on this failure path: the watch is
+        a mode that would cost every recompute a Python call per op.
+        """
+        outer = [t for t in self.inputs if t.grad_fn is not None]
+        if not outer:
+            return
+        watch = GradWatch(self.region.label, lambda t: feeds(t, outer))
+        try:
+            with watch:
+                self._run_recompute(self._replay(None))
+        except OutsideGradError:
+            raise
+        except Exception:  # another failure: the caller raises the original
+            return
+
+    def _recompute_or_retry(self, replay: ReplayMode | None, live: list[bool] | None) -> None:
+        try:
+            self._run_recompute(replay)
+        except NondeterministicRecomputeError:
+            if live is None or all(live):
+                raise
+            # A replayed op fed only by dead ops: a composite op above it chose
+            # another kernel for the meta stand-ins (attention falls back to its
+            # math path on meta): run every op this time.
+            self._run_recompute(self._replay(None))
+        except RematError:
+            raise
+        except Exception:
+            if live is None or all(live):
+                raise
+            # A dead op's stand-in reached Python (``tolist()``, state kept on an
+            # object): run every op this time (NOTE [ Record and replay ] rule 5).
+            self._run_recompute(self._replay(None))
+
+    def _replay(self, live: list[bool] | None) -> ReplayMode | None:
+        if self.log is None:
+            return None
+        return ReplayMode(self.log, self.region.determinism_check, live)
+
+    def _run_recompute(self, replay: ReplayMode | None) -> None:
+        self.recompute_counter = itertools.count()
+        try:
+            args, kwargs = _detached(self.args), _detached(self.kwargs)
+            self.recompute_input_ids = {id(t) for t in tensor_leaves((args, kwargs))}
+            with self._recompute_context(replay):
+                self.region.fn(*args, **kwargs)
+        except _StopRecompute:
+            return  # every holder the backward needs is full (NOTE [ The eager engine ] rule 2)
+
+    def _recompute_context(self, replay: ReplayMode | None) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        try:
+            self._enter_recompute(stack, replay)
+        except BaseException:
+            # Entering can raise (the state guard's in-place check): unwind what was
+            # entered, or this thread's frame stack would keep the recompute's frame.
+            stack.close()
+            raise
+        return stack
+
+    def _enter_recompute(self, stack: contextlib.ExitStack, replay: ReplayMode | None) -> None:
+        self.phase = Phase.RECOMPUTE
+        stack.enter_context(_pushed(self))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.collect, _identity))
+        stack.enter_context(recompute_context(self.rng, self.autocast, replay, grad=True))
+        stack.enter_context(self.state_guard.guarded())
+
+    def collect(
+        self, value: torch.Tensor | Holder, t: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        return uncompiled(self._collect, value, t)
+
+    def _collect(
+        self, value: torch.Tensor | Holder, t: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Recompute pack hook: the k-th tensor saved goes into the k-th holder.
+
+        Returns what the recompute's own graph keeps: the tensor, so that a
+        function that differentiates internally (``torch.autograd.grad`` inside
+        the region) can backpropagate through its recomputed graph.
+        """
+        index = next(self.recompute_counter)
+        tensor = value if isinstance(value, torch.Tensor) else t
+        assert tensor is not None, "this is a bug in remat, please report it"
+        if self.check:
+            self.check_meta(index, tensor)
+        kept = tensor.detach()
+        holder = self.needed.get(index)
+        if holder is not None:
+            if isinstance(value, torch.Tensor):
+                holder.tensor, holder.version = kept, tensor._version
+            else:
+                holder.tensor = value
+        if index >= self.stop_at:
+            raise _StopRecompute
+        return kept
+
+    def _logs(self, replay: ReplayMode | None) -> str:
+        if replay is None or self.log is None:
+            return " Pass debug=True to remat.remat to see both op logs."
+        return "\n" + side_by_side(self.log.op_names(), [str(f) for f in replay.ran])

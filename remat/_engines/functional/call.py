@@ -1,0 +1,278 @@
+"""One call of a region under the torch.func engine.
+
+Everything about the call that is not a tensor input of the Function: the
+user's arguments and closure, the forward's record, its RNG and autocast
+state, its offloaded outputs (NOTE [ The functional engine ] in ``__init__.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+from ..._capture.closure import Bindings, find_closed_over
+from ..._capture.module_state import state_guard_of
+from ..._offload.selection import current_store
+from ..._policy.name_check import check_names
+from ..._pytree import check_outputs_visible, flatten_region_io
+from ..._replay.autocast import AutocastState
+from ..._replay.checks import OpTrace, divergence
+from ..._replay.log import OpLog, RecordMode, ReplayMode
+from ..._replay.rng import RngState, generators_of, vmap_levels
+from ..._state import is_recomputing
+from ..budget_plans import settle
+from ..escapes import EscapeWatch
+from ..offloaded import OffloadedOutputs
+from ..recompute import recompute_context
+from ..region import Region
+from .arguments import (
+    _argument_objects,
+    _handed_over,
+    _outer_views,
+    args_with,
+    kwargs_with,
+)
+from .guard import _Births, _HiddenInputGuard, unsubstituted_error
+from .levels import (
+    _below_all_levels,
+    _differentiable,
+    _forward_ad_active,
+    _inference_mode_errors,
+    _tracked,
+)
+from .recording import _new_log, offload_kept
+from .substitution import _Substitution
+
+
+class _Call:
+    """Everything about one call that is not a tensor input of the Function."""
+
+    def __init__(
+        self,
+        region: Region,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        bindings: Bindings | None = None,
+    ) -> None:
+        self.region = region
+        #: Tensors ``fn`` lets out besides its outputs (NOTE [ Escaped tensors ]).
+        self.escapes = EscapeWatch(region.label)
+        self.fn = self.escapes.counted(fn)
+        #: The user's function (``self.fn`` numbers its calls), for the generator search.
+        self.user_fn = fn
+        #: The user's own arguments: ``fn`` runs on them, not on copies
+        #: (NOTE [ The functional engine ] rule 2).
+        self.args, self.kwargs = args, kwargs
+        tree: Any = (args, kwargs)
+        leaves: list[Any] = flatten_region_io(tree)[0]
+        self.leaves = leaves
+        self.tensor_count = sum(isinstance(x, torch.Tensor) for x in leaves)
+        if bindings is None:
+            bindings = find_closed_over(fn, _argument_objects(leaves, region.label))
+        self.bindings: Bindings = bindings
+        #: Module buffers, closure cells and ``.grad`` the forward changes, changed
+        #: once (NOTE [ State the forward changes ] in ``_capture/module_state.py``).
+        # No ``.grad`` watch: torch refuses ``.backward()`` inside a transform.
+        self.state = state_guard_of(fn, leaves, region.label, grads=False)
+        #: The tensors as ``fn`` reaches them: the ones each op gets substituted.
+        self.originals: tuple[torch.Tensor, ...] = (
+            *(x for x in leaves if isinstance(x, torch.Tensor)),
+            *self.bindings.tensors,
+        )
+        self.original_ids = {id(t) for t in self.originals}
+        #: Every tensor found in the closure, tracked or not (for the version check).
+        self.reached = self.bindings.reached()
+        #: What the Function is given: inside another region's run (a nested region)
+        #: the tensors ``fn`` reaches are the outer substitution's views of them.
+        self.inputs: tuple[torch.Tensor, ...] = _outer_views(self.originals)
+        #: Per op of the first run (the forward): which leaves were which input.
+        self.reads: list[tuple[Any, tuple[tuple[int, int], ...]]] | None = None
+        #: Positions of the arguments (and keyword names) that are tensors themselves.
+        self.tensor_args = [(i, x) for i, x in enumerate(args) if _handed_over(x)]
+        self.tensor_kwargs = [(k, x) for k, x in kwargs.items() if _handed_over(x)]
+        #: Inputs the backward will differentiate (NOTE [ The functional engine ] rule 7).
+        self.differentiated = [i for i, t in enumerate(self.inputs) if _tracked(t)]
+        #: Whether a backward will come (of this call, or of the call a vmap twin is for).
+        self.differentiable = bool(self.differentiated)
+        self.out_treedef: Any = None
+        self.out_leaves: list[Any] = []
+        self.out_positions: list[int] = []
+        self.log: OpLog | None = None
+        #: Levels live where the region was called: a wrapper at one of them that
+        #: ``fn`` uses inside the forward must be an input (NOTE [ The functional engine ] rule 2).
+        self.outer_levels = {i.level() for i in retrieve_all_functorch_interpreters()}
+        #: The transforms live at the call, (kind, level), for the vmap rule
+        #: (NOTE [ The functional engine ] rule 10).
+        self.transforms = [(i.key(), i.level()) for i in retrieve_all_functorch_interpreters()]
+        self.guard: _HiddenInputGuard | None = None
+        self.rng: RngState | None = None
+        #: The generators' states when the forward ended, and its vmap levels.
+        self.rng_after: RngState | None = None
+        self.vmap_levels = vmap_levels()
+        self.autocast = AutocastState.capture()
+        #: Offloaded kept outputs (NOTE [ The functional engine ] rule 8, NOTE [ Offloaded outputs ]
+        #: in ``_engines/offloaded.py``).
+        self.offloaded = OffloadedOutputs(
+            lambda: current_store(region.offload_store), _below_all_levels
+        )
+        #: The forward's torch calls, which every recompute must repeat (NOTE [
+        #: Recompute signatures ] in ``_replay/checks.py``).
+        self.trace = OpTrace(region.label, region.determinism_check)
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Call ``fn`` with ``tensors`` in place of the inputs; return its tensor outputs."""
+        table = {
+            id(o): t for o, t in zip(self.originals, tensors, strict=True) if o is not t
+        }
+        first = self.reads is None
+        if not first:  # a recompute: what the forward saw, though slots were rebound since
+            self.bindings.check_versions(self.region.label)
+            table.update(self.bindings.remap(tensors[self.tensor_count :]))
+        substitution = _Substitution(self, table, tensors)
+        try:
+            # The substitution outermost: the state guard's own copies (a recompute's
+            # linked copy of a parameter) read the Function's views too.
+            with substitution, self.state.guarded(), self.trace.watching(), \
+                    _inference_mode_errors(self.region):
+                out = self.fn(*args_with(self.args, self.tensor_args, table),
+                              **kwargs_with(self.kwargs, self.tensor_kwargs, table))
+        except RuntimeError as e:
+            if "wrapped->level() < level" not in str(e):
+                raise
+            raise unsubstituted_error(self) from e
+        if first:
+            self.reads = substitution.reads
+            self.bindings.note_versions(substitution.used)
+        out_leaves, out_treedef = flatten_region_io(out)
+        # Who made each output, in the forward and in each recompute (NOTE [ Recompute
+        # signatures ] rule 3).
+        self.trace.outputs([x for x in out_leaves if isinstance(x, torch.Tensor)])
+        # ``fn`` may return a tensor it reached (``return self.w``): the Function's view.
+        out_leaves = [
+            table.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in out_leaves
+        ]
+        positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
+        if self.out_treedef is None:
+            check_outputs_visible(out_leaves, self.region.label)
+            # Keep the structure and dtypes only: an output of the recorded forward
+            # is a wrapper of its inner ``vjp`` level, whose graph would keep every
+            # activation of the region alive as long as this call lives.
+            with _below_all_levels():
+                stand_ins = [
+                    torch.empty(0, dtype=x.dtype, device="meta")
+                    if isinstance(x, torch.Tensor) else x
+                    for x in out_leaves
+                ]
+            self.out_treedef, self.out_leaves, self.out_positions = (
+                out_treedef,
+                stand_ins,
+                positions,
+            )
+        elif out_treedef != self.out_treedef or positions != self.out_positions:
+            raise divergence(
+                self.region.label,
+                f"it returned {out_treedef}, and the forward returned {self.out_treedef}",
+            )
+        return tuple(out_leaves[i] for i in positions)
+
+    def run_as_differentiated(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Run ``fn`` as the backward's ``vjp`` will, so both see the same aten ops."""
+        if not self.differentiated:
+            return self.run(tensors)
+        kinds: list[bool] = []
+
+        def primal(
+            *moved: torch.Tensor,
+        ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+            if self.guard is not None:
+                self.guard.know(moved)
+            self.escapes.taint(moved)
+            full = list(tensors)
+            for i, t in zip(self.differentiated, moved, strict=True):
+                full[i] = t
+            out = self.run(full)
+            kinds[:] = [_differentiable(t) for t in out]
+            # vjp takes floating outputs only; integer ones travel as aux.
+            return (
+                tuple(t for t in out if _differentiable(t)),
+                tuple(t for t in out if not _differentiable(t)),
+            )
+
+        with torch.enable_grad():
+            result: Any = torch.func.vjp(
+                primal, *(tensors[i] for i in self.differentiated), has_aux=True
+            )
+        floats, others = result[0], result[2]
+        it_f, it_o = iter(floats), iter(others)
+        return tuple(next(it_f) if k else next(it_o) for k in kinds)
+
+    def unflatten_output(self, flat: Sequence[torch.Tensor]) -> Any:
+        leaves = list(self.out_leaves)
+        for position, tensor in zip(self.out_positions, flat, strict=True):
+            leaves[position] = tensor
+        return optree.tree_unflatten(self.out_treedef, leaves)
+
+    def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The region's forward: record what the policy keeps, guard against hidden inputs."""
+        if self.region.preserve_rng_state:
+            self.rng = RngState.capture(tensors, generators_of(self.user_fn, self.leaves))
+        # The guard checks each op as `_Substitution` hands it over (one mode, not two).
+        self.guard = _HiddenInputGuard(self, tensors)
+        try:
+            policy = self.region.policy
+            with _Births(self.guard), self.watch(tensors):
+                if not policy.needs_op_trace and not policy.saves_latest_region:
+                    out = self.run(tensors)
+                else:
+                    self.log = _new_log(self.region, tensors)
+                    with RecordMode(self.log):
+                        out = self.run_as_differentiated(tensors)
+                    check_names(self.log.policy, self.region.label, self.log.names_seen)
+                    # A memory budget plans its first call here (NOTE [ Budget plans ]).
+                    settle(self.log, None, tensors)
+        finally:
+            self.guard = None
+        self.rng_after = self.rng.now() if self.rng is not None else None
+        out, escaped = self.escapes.collect(out) if self.differentiated else (out, ())
+        if self.log is not None:
+            self.offload_kept(tensors, (*out, *escaped))
+        # autograd.Function refuses to save an input it also returns as-is: return a view.
+        given = {id(t) for t in tensors}
+        return (*(t.view_as(t) if id(t) in given else t for t in out), *escaped)
+
+    def watch(self, tensors: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
+        """Note what ``fn`` may let out besides its outputs, when a backward will come."""
+        if not self.differentiated:
+            return contextlib.nullcontext()
+        return self.escapes.watching([tensors[i] for i in self.differentiated])
+
+    def adopt(self, twin: _Call) -> None:
+        """Take the forward's records from ``twin``: a backward inside the vmap replays them."""
+        self.log, self.rng, self.rng_after = twin.log, twin.rng, twin.rng_after
+        self.offloaded.adopt(twin.offloaded)
+
+    # -- offload (NOTE [ The functional engine ] rule 8) ----------------------------------
+
+    def offload_kept(self, tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:
+        """End of forward: move kept ``OFFLOAD`` outputs to the host store (rule 8)."""
+        assert self.log is not None, "this is a bug in remat, please report it"
+        if (
+            not self.differentiable  # no backward will come
+            or is_recomputing()  # needed again at once
+            or _forward_ad_active()  # the backward recomputes in full (rule 3)
+            or self.region.policy.saves_latest_region
+        ):
+            return
+        # Region inputs, parameters (inputs here) and outputs are alive anyway.
+        offload_kept(self.log, self.offloaded, (*tensors, *out))
+    def recompute(self, replay: bool) -> contextlib.AbstractContextManager[None]:
+        """What the forward saw (NOTE [ The recompute context ]); replaying if ``replay``."""
+        log = self.log if replay else None
+        mode = None if log is None else ReplayMode(log, check=self.region.determinism_check)
+        return recompute_context(self.rng, self.autocast, mode)

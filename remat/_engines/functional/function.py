@@ -1,0 +1,158 @@
+"""The `autograd.Function` of a call, and its rule per transform.
+
+``forward`` (rule 1), ``backward`` (reverse levels and eager autograd, rules
+3-5), ``jvp`` (forward levels, rule 3), ``vmap`` (rule 10) of NOTE [ The functional engine ] in
+``__init__.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..._compile import uncompiled
+from ..._replay.rng import check_batched_recompute
+from .call import _Call
+from .levels import (
+    _backward_is_differentiated,
+    _differentiable,
+    _forward_ad_active,
+    _functorch,
+)
+from .vmap import _VmapRunner, batched_twin
+
+
+class _RematFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return uncompiled(call.forward, tensors)
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[int | None, ...], call: _Call, *tensors: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[int | None, ...]]:
+        return uncompiled(_vmap_rule, info, in_dims[1:], call, tensors)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        call = inputs[0]
+        ctx.call = call
+        ctx.save_for_backward(*inputs[1:])
+        ctx.save_for_forward(*inputs[1:])
+        frozen = [t for t in output if not _differentiable(t)]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return uncompiled(_backward, ctx, grads)  # never compiled: see ``_compile.py``
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return uncompiled(_jvp, ctx, tangents)
+
+
+def _backward(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    """`_RematFunction.backward`: recompute ``fn`` and take its vjp (NOTE [ The functional engine ]
+    rules 3-4)."""
+    call: _Call = ctx.call
+    inputs: tuple[torch.Tensor, ...] = ctx.saved_tensors
+    wanted = [
+        i for i, t in enumerate(inputs) if ctx.needs_input_grad[i + 1] and _differentiable(t)
+    ]
+    if not wanted:
+        return (None,) * (len(inputs) + 1)
+    check_batched_recompute(call.rng, call.rng_after, call.vmap_levels, call.region.label)
+    keep_graph = _backward_is_differentiated(inputs, grads)
+    # A level that has exited (a vjp_fn called after its vjp returned) left dead
+    # wrappers; unwrap them as functorch does for saved values of aten ops.
+    inputs = tuple(_functorch.unwrap_if_dead(t) for t in inputs)
+    replay = not _forward_ad_active()
+    restored = call.offloaded.restore() if replay else []
+    try:
+        with contextlib.nullcontext() if keep_graph else torch.no_grad():
+            found = _recompute_vjp(call, inputs, wanted, grads, replay=replay)
+    finally:
+        if replay:
+            call.offloaded.drop(restored)
+    result: list[torch.Tensor | None] = [None] * len(inputs)
+    for i, g in zip(wanted, found, strict=True):
+        result[i] = g
+    return (None, *result)
+
+def _vmap_rule(
+    info: Any, dims: tuple[int | None, ...], call: _Call, tensors: tuple[torch.Tensor, ...]
+) -> tuple[tuple[torch.Tensor, ...], tuple[int | None, ...]]:
+    """`_RematFunction.vmap`: the region over the batch, as one call of ``vmap(fn)``
+    (NOTE [ The functional engine ] rule 10)."""
+    runner = _VmapRunner(call, dims, info.batch_size, info.randomness)
+    twin = batched_twin(call, tensors, runner)
+    out: tuple[torch.Tensor, ...] = _RematFunction.apply(twin, *twin.inputs)  # type: ignore[no-untyped-call]
+    call.adopt(twin)
+    return out, runner.out_dims
+
+def _jvp(ctx: Any, tangents: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    """`_RematFunction.jvp`: recompute ``fn`` in full under ``torch.func.jvp``."""
+    call: _Call = ctx.call
+    inputs = tuple(_functorch.unwrap_if_dead(t) for t in ctx.saved_tensors)
+    moving = [
+        i
+        for i, (t, d) in enumerate(zip(inputs, tangents[1:], strict=True))
+        if d is not None and _differentiable(t)
+    ]
+    total = len(call.out_positions) + len(call.escapes.found)
+    outputs = [i for i in range(total) if _is_float(call, i)]
+
+    # Forward-mode AD interleaves tangent ops with the primal ones: no replay.
+    with call.recompute(replay=False):
+        out_tangents = torch.func.jvp(
+            _partial(call, inputs, moving, outputs),
+            tuple(inputs[i] for i in moving),
+            tuple(tangents[i + 1] for i in moving),
+        )[1]
+    result: list[torch.Tensor | None] = [None] * total
+    for i, t in zip(outputs, out_tangents, strict=True):
+        result[i] = t
+    return tuple(result)
+
+def _is_float(call: _Call, index: int) -> bool:
+    if index >= len(call.out_positions):
+        return True  # an escaped tensor: floating by construction
+    leaf = call.out_leaves[call.out_positions[index]]
+    return isinstance(leaf, torch.Tensor) and _differentiable(leaf)
+
+def _recompute_vjp(
+    call: _Call,
+    inputs: tuple[torch.Tensor, ...],
+    wanted: list[int],
+    grads: tuple[torch.Tensor | None, ...],
+    replay: bool,
+) -> tuple[torch.Tensor, ...]:
+    outputs = [i for i, g in enumerate(grads) if g is not None and _is_float(call, i)]
+    # Differentiate what the forward differentiated (NOTE [ The functional engine ] rule 7),
+    # return what is wanted.
+    moving = sorted(set(wanted) | set(call.differentiated))
+
+    with call.recompute(replay):
+        primal = _partial(call, inputs, moving, outputs)
+        vjp_fn = torch.func.vjp(primal, *(inputs[i] for i in moving))[1]
+    found: tuple[torch.Tensor, ...] = vjp_fn(tuple(grads[i] for i in outputs))
+    return tuple(found[moving.index(i)] for i in wanted)
+
+
+def _partial(
+    call: _Call, inputs: Sequence[torch.Tensor], moving: Sequence[int], outputs: Sequence[int]
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """``fn`` as a function of the inputs at ``moving``, giving the outputs at ``outputs``."""
+
+    def primal(*moved: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        full = list(inputs)
+        for i, t in zip(moving, moved, strict=True):
+            full[i] = t
+        out = call.escapes.run(lambda: call.run(full))
+        return tuple(out[i] for i in outputs)
+
+    return primal

@@ -1,0 +1,102 @@
+"""Functorch levels: which are live, which differentiate, when replay is valid.
+
+NOTE [ The functional engine ] rules 3, 4 and 9 (in ``__init__.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..._errors import RematError
+from ..._replay.log import physical
+from ..._state import internal
+from ..region import Region
+
+_functorch = torch._C._functorch
+
+_GRAD = torch._C._functorch.TransformType.Grad
+
+_JVP = torch._C._functorch.TransformType.Jvp
+
+_VMAP = torch._C._functorch.TransformType.Vmap
+
+def _tracked(t: torch.Tensor) -> bool:
+    """Whether some level (a functorch grad level or eager autograd) differentiates ``t``."""
+    if not _differentiable(t):
+        return False
+    while True:
+        if t.requires_grad:
+            return True
+        if not _functorch.is_functorch_wrapped_tensor(t):
+            return False
+        t = _functorch.get_unwrapped(t)
+
+def _wrapped(t: torch.Tensor) -> bool:
+    return bool(_functorch.is_functorch_wrapped_tensor(t))
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+def _batched_at(t: torch.Tensor, level: int | None) -> bool:
+    return bool(_functorch.is_batchedtensor(t)) and _functorch.maybe_get_level(t) == level
+
+def _backward_is_differentiated(
+    inputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...]
+) -> bool:
+    """Whether anything may differentiate this backward (NOTE [ The functional engine ] rule 4).
+
+    ``inputs`` are the saved inputs as the level being differentiated saw them
+    (wrapped at that level, which may have exited already): that level is the
+    highest one they carry.
+    """
+    own = max((_functorch.maybe_get_level(t) for t in inputs), default=-1)
+    for interpreter in retrieve_all_functorch_interpreters():
+        if interpreter.key() == _GRAD and interpreter.level() != own:
+            return True
+    tensors = [t for t in (*inputs, *grads) if t is not None]
+    return any(physical(t).requires_grad for t in tensors)
+
+@contextlib.contextmanager
+def _below_all_levels() -> Iterator[None]:
+    """Plain tensor ops, seen by no dispatch mode and no functorch level (store copies)."""
+    with _disable_current_modes(), torch._C._DisableFuncTorch(), internal():
+        yield
+
+def _forward_ad_active() -> bool:
+    """Whether a forward-mode level (functorch ``jvp`` or eager ``forward_ad``) is live."""
+    return _forward_ad_levels() > 0
+
+def _forward_ad_levels() -> int:
+    """How many forward-mode levels (functorch ``jvp``s, eager ``forward_ad``) are live."""
+    jvps = sum(i.key() == _JVP for i in retrieve_all_functorch_interpreters())
+    return jvps + int(torch.autograd.forward_ad._current_level >= 0)
+
+@contextlib.contextmanager
+def _inference_mode_errors(region: Region) -> Iterator[None]:
+    """Say what to do when ``fn`` reads a transformed tensor under ``inference_mode``.
+
+    This engine runs ``fn`` on functorch wrappers (its backward always does, under
+    ``torch.func.vjp``), and torch refuses to detach or save one inside an
+    ``inference_mode`` block. ``no_grad`` computes the same constant and works.
+    """
+    try:
+        yield
+    except RuntimeError as error:
+        text = str(error)
+        known = ("version_counter for inference tensor", "do not track version counter")
+        if isinstance(error, RematError) or not any(k in text for k in known):
+            raise
+        raise RematError(
+            f"remat: {region.label} uses a torch.func-transformed tensor inside a "
+            f"torch.inference_mode() block ({error}). The torch.func engine runs the "
+            "function on transformed tensors (its backward always does, through "
+            "torch.func.vjp), and torch refuses those in inference mode. Use "
+            "torch.no_grad() instead of torch.inference_mode() for that block (it "
+            "computes the same constant), or, for a loss.backward() outside any "
+            "torch.func transform, pass engine='eager' to remat."
+        ) from error

@@ -1,0 +1,90 @@
+"""The op log of one call, and ``save_last`` in the torch.func engine.
+
+NOTE [ The functional engine ] rule 6 (in ``__init__.py``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from ..._policy.base import Decision, Policy
+from ..._replay.log import OpLog, physical, storage_address
+from ..budget_plans import log_policy
+from ..offloaded import OffloadedOutputs
+from ..region import Region
+from ..save_last import become_latest
+
+
+class _SaveAllWhileLatest(Policy):
+    """Save every output while the region is the latest save-last one.
+
+    NOTE [ The functional engine ] rule 6.
+
+    It remembers the base policy's verdicts for the demotion, and is the
+    region's handle in the save-last chain (NOTE [ The save-last chain ] in
+    ``_engines/save_last.py``): the op log holds it, so it lives as long as the
+    log, and it holds the log weakly.
+    """
+
+    uses_ops = True
+
+    def __init__(self, base: Policy) -> None:
+        self.base = base
+        self.uses_names = base.uses_names
+        self.log: weakref.ref[OpLog] | None = None
+
+    def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+        return self.base.decide_op(op, args, kwargs) if self.base.needs_op_trace else None
+
+    def decide(self, verdict: Hashable, name: str | None) -> Decision:
+        return Decision.SAVE
+
+    def demote(self) -> None:
+        log = self.log() if self.log is not None else None
+        if log is not None:
+            _demote(log, self.base)
+
+def _new_log(region: Region, tensors: Sequence[torch.Tensor]) -> OpLog:
+    policy = region.policy
+    if not policy.saves_latest_region:
+        return OpLog(log_policy(region, tensors, "functional"), region.label)
+    keeper = _SaveAllWhileLatest(policy)
+    log = OpLog(keeper, region.label)
+    keeper.log = weakref.ref(log)
+    become_latest(keeper)
+    return log
+
+def _demote(log: OpLog, base: Policy) -> None:
+    """Release what only being the last `save_last` region kept (the base policy decides)."""
+    for rec in log.records:
+        if rec.kept is None:
+            continue
+        verdict = rec.verdict if base.needs_op_trace else base.decide_op(None, (), {})
+        for position in range(len(rec.kept)):
+            name = rec.named[position][0] if rec.named and position in rec.named else None
+            if base.decide(verdict, name) is Decision.RECOMPUTE:
+                rec.kept[position] = None
+        if all(t is None for t in rec.kept):
+            rec.release()
+
+
+def offload_kept(log: OpLog, offloaded: OffloadedOutputs, alive: Sequence[torch.Tensor]) -> None:
+    """Move the log's kept ``OFFLOAD`` outputs to the host store (NOTE [ The functional
+    engine ] rule 8), except values sharing storage with ``alive`` (they free nothing)."""
+    addresses = {storage_address(physical(t)) for t in alive}
+    for index, record in enumerate(log.records):
+        if record.kept is None or record.versions is None:
+            continue
+        for position, t in enumerate(record.kept):
+            if (
+                t is None
+                or record.decision_at(position) is not Decision.OFFLOAD
+                or t._version != record.versions[position]
+                or storage_address(t) in addresses
+            ):
+                continue
+            offloaded.put(record, index, position, t)
