@@ -119,9 +119,9 @@ def test_the_checker_sees_a_circle() -> None:
 
 def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
     """The rule can fail: a deferred upward import inside a function is found."""
-    fake = tmp_path / "remat" / "_replay" / "log.py"
+    fake = tmp_path / "remat" / "_replay" / "records.py"
     fake.parent.mkdir(parents=True)
     fake.write_text("def f():\n    from .._engines import eager\n")
-    found = imports_of("remat._replay.log", fake, {"remat._engines.eager", "remat._engines"})
+    found = imports_of("remat._replay.records", fake, {"remat._engines.eager", "remat._engines"})
     assert found == {"remat._engines.eager"}
-    assert layer_of("remat._engines.eager") > layer_of("remat._replay.log")
+    assert layer_of("remat._engines.eager") > layer_of("remat._replay.records")

@@ -71,8 +71,10 @@ from .._replay.checks import (
     same_signature,
     saved_signature,
 )
-from .._replay.log import TAG, OpLog, OpRecord, RecordMode, ReplayMode, side_by_side
+from .._replay.modes import RecordMode, ReplayMode, side_by_side
+from .._replay.records import OpLog, OpRecord
 from .._replay.rng import RngState, check_batched_recompute, generators_of
+from .._replay.tags import tag_of
 from .._state import local, recomputing
 from .autograd_inside import GradWatch, OutsideGradError, feeds
 from .budget_plans import log_policy, settle
@@ -367,10 +369,9 @@ class Frame:
                 record, position = holder.source
                 if (id(record), position) in self.offloaded:
                     holder.tensor = self.offloaded[id(record), position][2]
-                elif record.kept is not None and record.kept[position] is not None:
-                    holder.tensor = record.kept[position]
-                    if record.versions is not None:
-                        holder.version = record.versions[position]
+                elif (kept := record.kept_at(position)) is not None:
+                    holder.tensor = kept
+                    holder.version = record.kept_version(position)
         if not self.keep_all:
             self.release_unread()
             self.prune_offloaded()
@@ -416,7 +417,7 @@ class Frame:
         """Pack: put ``t`` (once per op output) and drop the record's device copy."""
         assert holder.source is not None, "this is a bug in remat, please report it"
         record, position = holder.source
-        entry = self._offload_output(record, getattr(t, TAG)[1], position, t)
+        entry = self._offload_output(record, record.index, position, t)
         return entry if entry is not None else t.detach()
 
     def _offload_output(
@@ -427,7 +428,7 @@ class Frame:
             if self.offloaded_versions[key] != t._version:
                 return None  # written since its copy was made: this save keeps it on device
             return self.offloaded[key][2]  # the same value saved twice: one copy
-        if record.versions is not None and record.versions[position] != t._version:
+        if record.version_moved(position, t):
             # Written since the op made it: the replay would write it again on top
             # of a copy of the written value. Kept on device instead.
             return None
@@ -438,8 +439,8 @@ class Frame:
             return None
         self.offloaded[key] = (record, index, entry)
         self.offloaded_versions[key] = t._version
-        if record.kept is not None:
-            record.hold(position, placeholder)
+        if record.holds_outputs():
+            record.mark_offloaded(position, placeholder)
         return entry
 
     def offload_kept(self, out: Any, live: list[bool] | None) -> None:
@@ -449,19 +450,15 @@ class Frame:
         be released instead.
         """
         assert self.log is not None, "this is a bug in remat, please report it"
-        outputs = {getattr(t, TAG, None) for t in tensor_leaves(out)}
+        outputs = {tag_of(t) for t in tensor_leaves(out)}
         for index, record in enumerate(self.log.records):
-            if record.kept is None or record.versions is None:
-                continue
             if live is not None and not live[index]:
                 continue
-            for position, t in enumerate(record.kept):
+            for position, t in record.unwritten_outputs():
                 if (
-                    t is not None
-                    and (id(record), position) not in self.offloaded
+                    (id(record), position) not in self.offloaded
                     and record.decision_at(position) is Decision.OFFLOAD
                     and (self.log.serial, index, position) not in outputs
-                    and t._version == record.versions[position]
                     and self.can_offload(t)
                 ):
                     self._offload_output(record, index, position, t)
@@ -471,21 +468,21 @@ class Frame:
         restored = []
         entries = sorted(self.offloaded.items(), key=lambda item: item[1][2].seq, reverse=True)
         for (_, position), (record, index, entry) in entries:
-            if index < clock and record.kept is not None and record.versions is not None:
+            if index < clock and record.holds_outputs():
                 # The forward wrote to this output after its copy was made, so the
                 # replay writes to it again: give it its own copy, the entry's
                 # cached value stays what the holders saved.
-                written = record.versions[position] == -1
+                written = record.written_after_kept(position)
                 with _disable_current_modes():
                     value = entry.get().clone() if written else entry.get()
-                record.hold(position, value)
+                record.restore(position, value)
                 restored.append((record, position))
         return restored
 
     def prune_offloaded(self) -> None:
         """Forget entries of released records (holders keep theirs alive)."""
         for key, (record, _, _) in list(self.offloaded.items()):
-            if record.kept is None:
+            if not record.holds_outputs():
                 del self.offloaded[key]
                 del self.offloaded_versions[key]
 
@@ -593,8 +590,7 @@ class Frame:
         finally:
             self.phase = "forward" if in_forward else "done"
             for record, position in restored:
-                if record.kept is not None:
-                    record.kept[position] = None  # the collected holders keep what they need
+                record.drop(position)  # the collected holders keep what they need
             self.offloaded.clear()
             self.offloaded_versions.clear()
         missing = [i for i, h in self.needed.items() if h.tensor is None]

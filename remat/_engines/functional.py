@@ -129,6 +129,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from .._capture.closure import Bindings, find_closed_over
 from .._capture.module_state import state_guard_of
+from .._compat import physical, storage_address
 from .._compile import uncompiled
 from .._errors import RematError
 from .._offload.selection import current_store
@@ -138,7 +139,8 @@ from .._policy.name_check import check_names
 from .._pytree import check_outputs_visible, flatten_region_io
 from .._replay.autocast import AutocastState
 from .._replay.checks import OpTrace, divergence
-from .._replay.log import OpLog, OpRecord, RecordMode, ReplayMode, physical, storage_address
+from .._replay.modes import RecordMode, ReplayMode
+from .._replay.records import OpLog, OpRecord
 from .._replay.rng import RngState, check_batched_recompute, generators_of, vmap_levels
 from .._state import internal, is_recomputing, local, recomputing
 from .autograd_inside import differentiated_by, feeds, outside_grad_error
@@ -539,13 +541,9 @@ class _Call:
         store = None
         serial = next_serial()
         for index, record in enumerate(log.records):
-            if record.kept is None or record.versions is None:
-                continue
-            for position, t in enumerate(record.kept):
+            for position, t in record.unwritten_outputs():
                 if (
-                    t is None
-                    or record.decision_at(position) is not Decision.OFFLOAD
-                    or t._version != record.versions[position]
+                    record.decision_at(position) is not Decision.OFFLOAD
                     or storage_address(t) in alive
                 ):
                     continue
@@ -556,26 +554,25 @@ class _Call:
                     placeholder = placeholder_for(t) if entry is not None else None
                 if entry is None or placeholder is None:
                     continue
-                record.hold(position, placeholder)
+                record.mark_offloaded(position, placeholder)
                 self.offloaded.append((record, position, entry))
 
     def restore_offloaded(self) -> list[tuple[OpRecord, int]]:
         """Backward: fetch offloaded outputs back into the records, newest first."""
         restored = []
         for record, position, entry in sorted(self.offloaded, key=lambda e: e[2].seq, reverse=True):
-            if record.kept is None or record.versions is None:
+            if not record.holds_outputs():
                 continue
             with _below_all_levels():
                 value = entry.get()
-            record.hold(position, value)
+            record.restore(position, value)
             restored.append((record, position))
         return restored
 
     def drop_offloaded(self) -> None:
         """After a replayed backward: the fetched values go; a later backward reruns their ops."""
         for record, position, _ in self.offloaded:
-            if record.kept is not None:
-                record.kept[position] = None
+            record.drop(position)
         self.offloaded.clear()
 
     @contextlib.contextmanager
@@ -1254,14 +1251,4 @@ def _demote(log: OpLog) -> None:
     """Release what only being the last `save_last` region kept (the base policy decides)."""
     keeper = log.policy
     assert isinstance(keeper, _KeepAll), "this is a bug in remat, please report it"
-    base = keeper.base
-    for rec in log.records:
-        if rec.kept is None:
-            continue
-        verdict = rec.verdict if base.needs_op_trace else base.decide_op(None, (), {})
-        for position in range(len(rec.kept)):
-            name = rec.named[position][0] if rec.named and position in rec.named else None
-            if base.decide(verdict, name) is Decision.RECOMPUTE:
-                rec.kept[position] = None
-        if all(t is None for t in rec.kept):
-            rec.release()
+    log.demote(keeper.base)

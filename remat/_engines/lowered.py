@@ -77,8 +77,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .._policy.base import Decision, Policy
-from .._replay.log import _draws_random, _traits
 from .._replay.rng import RngState
+from .._replay.traits import draws_random as _draws_random
+from .._replay.traits import traits as _traits
 from .lowered_names import NAME_OP, Producers, naming
 from .region import Region
 

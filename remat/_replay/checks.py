@@ -2,7 +2,7 @@
 
 NOTE [ Recompute signatures ]
 1. Policies that record ops (``dots-saveable``, names, ``save-last``) compare
-   the recompute op by op with the forward's log (``_replay/log.py``). Policies that
+   the recompute op by op with the forward's log (``_replay/records.py``). Policies that
    record nothing (``nothing-saveable``) need a cheaper signature, taken where
    the engine already looks at every value:
 2. Eager engine: the pack hook sees every tensor autograd saves, in order. Each
