@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeVar, overload
 import torch
 
 from . import policies
+from ._compat import transform_active
 from ._compile import uncompiled
 from ._engines.eager import TorchFuncInsideError, run_eager
 from ._engines.lowered import contexts_for, lowers, run_lowered
@@ -329,7 +330,7 @@ def _run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any
 
 
 def _transform_active() -> bool:
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    return transform_active()
 
 
 def _normalize(value: Any, kind: type, what: str) -> tuple[Any, ...]:

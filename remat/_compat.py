@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch._functorch.pyfunctorch import FuncTorchInterpreter, retrieve_all_functorch_interpreters
 from torch.utils import _python_dispatch
+from torch.utils import _pytree as _torch_pytree
 
 __all__ = [
     "GRAD",
@@ -42,6 +43,7 @@ __all__ = [
     "eager_forward_ad_level",
     "functorch_disabled",
     "functorch_level",
+    "global_forward_pre_hooks",
     "interpreters",
     "is_batched",
     "is_functorch_wrapped",
@@ -49,9 +51,12 @@ __all__ = [
     "keeping_version_counters",
     "no_dispatch_modes",
     "physical",
+    "stateful_module_types",
     "storage_address",
     "storage_identity",
     "torch_function_disabled",
+    "torch_pytree_node",
+    "torch_tree_leaves",
     "transform_active",
     "unwrap_if_dead",
     "unwrap_once",
@@ -85,14 +90,13 @@ VMAP = _functorch.TransformType.Vmap
 # -- the functorch interpreter stack and its levels ---------------------------
 
 
-def interpreters() -> list[Any]:
+def interpreters() -> list[FuncTorchInterpreter]:
     """The live functorch transforms (``grad``, ``vmap``, ``jvp``...), outermost first.
 
     Each has ``key()`` (a `GRAD`/`JVP`/`VMAP`) and ``level()``. torch.func has
     no public way to ask which transforms the caller runs under (2.13).
     """
-    found: list[Any] = retrieve_all_functorch_interpreters()
-    return found
+    return retrieve_all_functorch_interpreters()
 
 
 def transform_active() -> bool:
@@ -262,6 +266,47 @@ def storage_identity(t: torch.Tensor) -> int | None:
     if is_functorch_wrapped(t) or type(t) not in (torch.Tensor, torch.nn.Parameter):
         return None
     return int(t.untyped_storage()._cdata)
+
+
+# -- torch.nn and torch.utils._pytree internals -------------------------------
+
+
+def stateful_module_types() -> list[type]:
+    """Module types of torch that update buffers in forward: batch norms, spectral norm.
+
+    Their common bases are private (``_NormBase``, ``_SpectralNorm``, 2.13).
+    """
+    return [
+        torch.nn.modules.batchnorm._NormBase,
+        torch.nn.utils.parametrizations._SpectralNorm,  # updates its power-iteration buffers
+    ]
+
+
+def global_forward_pre_hooks() -> dict[int, Any]:
+    """The table of global module forward pre-hooks, by key.
+
+    ``register_module_forward_pre_hook`` adds one under a new key each time, and
+    Dynamo guards on the table's keys: a fixed key avoids a recompile per region
+    call, and needs the table itself (private, 2.13).
+    """
+    hooks: dict[int, Any] = torch.nn.modules.module._global_forward_pre_hooks
+    return hooks
+
+
+def torch_pytree_node(cls: type) -> Any:
+    """How ``torch.utils._pytree`` flattens ``cls`` (a ``NodeDef``), or None.
+
+    Hugging Face registers its ``ModelOutput`` containers there only; torch has
+    no public pytree module to ask (2.13).
+    """
+    return _torch_pytree.SUPPORTED_NODES.get(cls)
+
+
+def torch_tree_leaves(tree: Any) -> list[Any]:
+    """``torch.utils._pytree.tree_leaves``: the pytree Dynamo traces natively (optree is
+    not traced), for code that runs while Dynamo traces. No public module (2.13)."""
+    leaves: list[Any] = _torch_pytree.tree_leaves(tree)
+    return leaves
 
 
 # -- torch.compile internals --------------------------------------------------

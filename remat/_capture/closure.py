@@ -56,8 +56,9 @@ from typing import Any
 import optree
 import torch
 
+from .._compat import is_functorch_wrapped, storage_identity, torch_function_disabled
 from .._errors import SavedInputMutatedError
-from .module_state import is_stateful, storage_of
+from .module_state import is_stateful
 
 __all__ = ["Bindings", "find_closed_over", "is_tracked"]
 
@@ -67,7 +68,7 @@ _PYTREE_TYPES = (list, tuple, dict)
 
 def is_tracked(t: torch.Tensor) -> bool:
     """Whether some transform or eager autograd could want a gradient for ``t``."""
-    return torch._C._functorch.is_functorch_wrapped_tensor(t) or t.requires_grad
+    return is_functorch_wrapped(t) or t.requires_grad
 
 
 @dataclasses.dataclass(eq=False)
@@ -127,7 +128,7 @@ class Bindings:
         or the snapshot tensor itself. Nothing is written to the slot.
         """
         table: dict[int, torch.Tensor] = {}
-        with torch._C.DisableTorchFunction():  # our reads are not the function's
+        with torch_function_disabled():  # our reads are not the function's
             for slot, indices in self._slots:
                 try:
                     current = slot.get()
@@ -160,11 +161,11 @@ class Bindings:
         ``used``: ids of the tensors the forward's ops got. One that none read
         (another entry of a closed-over dict) may change freely, as in autograd.
         """
-        with torch._C.DisableTorchFunction():  # our reads are not the function's
+        with torch_function_disabled():  # our reads are not the function's
             for slot, _ in self._slots:
                 if slot.checked:
                     slot.versions = [
-                        (i, t._version, storage_of(t))
+                        (i, t._version, storage_identity(t))
                         for i, t in enumerate(slot.leaves)
                         if isinstance(t, torch.Tensor) and id(t) in used
                     ]
@@ -174,8 +175,8 @@ class Bindings:
         for slot, _ in self._slots:
             for i, version, storage in slot.versions:
                 t = slot.leaves[i]
-                with torch._C.DisableTorchFunction():
-                    now = (t._version, storage_of(t))
+                with torch_function_disabled():
+                    now = (t._version, storage_identity(t))
                 if now == (version, storage):
                     continue
                 where = slot.where if len(slot.leaves) == 1 else f"element #{i} of {slot.where}"

@@ -60,8 +60,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.utils.spectral_norm import SpectralNorm
-from torch.utils._python_dispatch import _disable_current_modes
 
+from .._compat import (
+    global_forward_pre_hooks,
+    is_functorch_wrapped,
+    no_dispatch_modes,
+    stateful_module_types,
+    storage_identity,
+)
 from .._compile import uncompiled
 from .._errors import RematError, SavedInputMutatedError
 from .._replay.checks import STANDS_FOR_LEAF
@@ -73,17 +79,13 @@ __all__ = [
     "is_stateful",
     "register_stateful",
     "state_guard_of",
-    "storage_of",
 ]
 
 #: Buffers up to this size are copied when the forward first sees their module,
 #: in case it writes them (NOTE [ State the forward changes ] rule 1).
 SNAPSHOT_BYTES = 1 << 20
 
-_STATEFUL_TYPES: list[type] = [
-    nn.modules.batchnorm._NormBase,
-    nn.utils.parametrizations._SpectralNorm,  # updates its power-iteration buffers
-]
+_STATEFUL_TYPES: list[type] = stateful_module_types()
 _stateful_types = tuple(_STATEFUL_TYPES)
 
 
@@ -160,15 +162,7 @@ class _Pin:
 def _pins(where: str, table: dict[str, Any], parameter: bool) -> Iterator[_Pin]:
     for name, t in table.items():
         if isinstance(t, torch.Tensor):
-            yield _Pin(where, table, name, t, t._version, storage_of(t), parameter)
-
-
-def storage_of(t: torch.Tensor) -> int | None:
-    """The identity of ``t``'s storage (not its address: FSDP frees and refills it)."""
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor(t)
-    if wrapped or type(t) not in (torch.Tensor, nn.Parameter):
-        return None  # a tensor subclass (DTensor) or a functorch wrapper: no plain storage
-    return int(t.untyped_storage()._cdata)
+            yield _Pin(where, table, name, t, t._version, storage_identity(t), parameter)
 
 
 @dataclasses.dataclass
@@ -218,7 +212,7 @@ def _watch(
     renorms = isinstance(module, nn.Embedding) and module.max_norm is not None
     watched = []
     # Our copies are no ops of the region (nor calls of its function).
-    with _disable_current_modes(), internal(), torch.no_grad():
+    with no_dispatch_modes(), internal(), torch.no_grad():
         for parameter, table, name, t in new:
             known.add((id(table), name, id(t)))
             small = not parameter and t.numel() * t.element_size() <= SNAPSHOT_BYTES
@@ -239,7 +233,7 @@ def _linked_copy(current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     torch.func the recompute's own graph carries the parameter's gradient).
     """
     with internal():
-        if not current.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(
+        if not current.requires_grad and not is_functorch_wrapped(
             current
         ):
             return value.clone()
@@ -271,7 +265,7 @@ def _has_grad_slot(t: Any) -> bool:
         isinstance(t, torch.Tensor)
         and t.requires_grad
         and t.is_leaf
-        and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+        and not is_functorch_wrapped(t)
     )
 
 
@@ -372,7 +366,7 @@ def _replaced(current: torch.Tensor, pin: _Pin) -> bool:
     """
     if current is pin.tensor or pin.storage is None:
         return False
-    return storage_of(current) != pin.storage
+    return storage_identity(current) != pin.storage
 
 
 class StateGuard:
@@ -500,7 +494,7 @@ class StateGuard:
         # Versions as the forward left them: a module that writes its own parameter
         # in forward (``nn.Embedding(max_norm=...)``) writes it again in the recompute.
         for pin in self.pins:
-            pin.version, pin.storage = pin.tensor._version, storage_of(pin.tensor)
+            pin.version, pin.storage = pin.tensor._version, storage_identity(pin.tensor)
 
     def _note_writes(self) -> None:
         """Keep what the forward wrote in place (rules 1 and 3); drop the other copies."""
@@ -589,7 +583,7 @@ class StateGuard:
             yield
             return
         kept = []
-        with _disable_current_modes(), internal(), torch.no_grad():
+        with no_dispatch_modes(), internal(), torch.no_grad():
             for t, started_empty in self.grads_written:
                 grad = t.grad
                 kept.append((t, grad, None if grad is None else grad.clone()))
@@ -598,7 +592,7 @@ class StateGuard:
         try:
             yield
         finally:
-            with _disable_current_modes(), internal(), torch.no_grad():
+            with no_dispatch_modes(), internal(), torch.no_grad():
                 for t, grad, value in kept:
                     if grad is not None and value is not None:
                         grad.copy_(value)  # autograd accumulates in place when it can
@@ -625,7 +619,8 @@ class StateGuard:
 
     def _check(self, pin: _Pin) -> None:
         t = pin.tensor
-        if t._version == pin.version and (pin.storage is None or storage_of(t) == pin.storage):
+        same_storage = pin.storage is None or storage_identity(t) == pin.storage
+        if t._version == pin.version and same_storage:
             return
         if pin.parameter:
             kind = "parameter"
@@ -674,7 +669,7 @@ class StateGuard:
         """Put a fresh copy of the slot's start value in it, for the recompute to write to."""
         assert self._swaps is not None, "this is a bug in remat, please report it"
         value = self._swaps[id(table), name]
-        with _disable_current_modes(), torch.no_grad():
+        with no_dispatch_modes(), torch.no_grad():
             # What is differentiated keeps its gradient (a parameter; a buffer
             # passed to functional_call).
             copy = _linked_copy(table[name], value)
@@ -695,7 +690,7 @@ class StateGuard:
 def _copies(module: nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
     """Snapshots of ``module``'s buffers, before its forward changes them."""
     # Outside the record/replay modes: the copies are not ops of the region.
-    with _disable_current_modes(), internal(), torch.no_grad():
+    with no_dispatch_modes(), internal(), torch.no_grad():
         return [
             (module._buffers, name, buffer.clone())
             for name, buffer in module._buffers.items()
@@ -718,7 +713,7 @@ _HOOK_KEY = -7_351_117
 @contextlib.contextmanager
 def _watching(guard: StateGuard) -> Iterator[None]:
     """Tell ``guard`` (and every guard recording around it) about each module that runs."""
-    hooks = nn.modules.module._global_forward_pre_hooks
+    hooks = global_forward_pre_hooks()
     with _hook_lock:
         _watchers[0] += 1
         hooks[_HOOK_KEY] = _pre_hook

@@ -51,10 +51,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from .._capture.closure import find_closed_over
 from .._capture.module_state import state_guard_of
+from .._compat import current_autograd_node, no_dispatch_modes
 from .._compile import uncompiled
 from .._errors import NondeterministicRecomputeError, RematError, SavedInputMutatedError
 from .._offload.selection import current_store
@@ -229,7 +229,7 @@ class Frame:
         """
         clean = [_version(t) for t in self.inputs] == self.versions
         seen = getattr(self.state_guard, "seen", None) or ()
-        with _disable_current_modes(), torch.no_grad():
+        with no_dispatch_modes(), torch.no_grad():
             if any(not torch.equal(table[name], copy) for table, name, copy in seen):
                 clean = False
         if self.rng is not None:
@@ -262,7 +262,7 @@ class Frame:
     def _pack(self, t: torch.Tensor) -> Holder:
         holder = Holder(self, len(self.holders))
         self.holders.append(weakref.ref(holder))
-        if not self.inner_backward and torch._C._current_autograd_node() is not None:
+        if not self.inner_backward and current_autograd_node() is not None:
             self.inner_backward = True
         self.note_leaf(t)
         if self.check:
@@ -432,7 +432,7 @@ class Frame:
             # Written since the op made it: the replay would write it again on top
             # of a copy of the written value. Kept on device instead.
             return None
-        with _disable_current_modes():  # the copies are ours, not the region's ops
+        with no_dispatch_modes():  # the copies are ours, not the region's ops
             entry = offload(t.detach(), self.store, (self.serial, index, position))
             placeholder = placeholder_for(t)
         if entry is None:
@@ -473,7 +473,7 @@ class Frame:
                 # replay writes to it again: give it its own copy, the entry's
                 # cached value stays what the holders saved.
                 written = record.written_after_kept(position)
-                with _disable_current_modes():
+                with no_dispatch_modes():
                     value = entry.get().clone() if written else entry.get()
                 record.restore(position, value)
                 restored.append((record, position))
@@ -531,7 +531,7 @@ class Frame:
         if isinstance(value, Holder):
             return value.frame.unpack(value)
         if isinstance(value, Offloaded):
-            with _disable_current_modes():
+            with no_dispatch_modes():
                 return value.get()
         if value is None:
             raise RematError(
@@ -578,7 +578,7 @@ class Frame:
         # ``fn``): the recording mode must not see the recompute's ops.
         in_forward = self.phase == "forward"
         try:
-            with _disable_current_modes() if in_forward else contextlib.nullcontext():
+            with no_dispatch_modes() if in_forward else contextlib.nullcontext():
                 try:
                     with self.grad_watch():
                         self._recompute_or_retry(replay, live)
@@ -773,7 +773,6 @@ class Frame:
     def alive(self) -> list[Holder]:
         """The holders autograd still references (the others were consumed or dropped)."""
         return [h for h in (ref() for ref in self.holders) if h is not None]
-
 
 
 def _rewind(rng: RngState) -> None:

@@ -66,13 +66,13 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .._compat import is_batched, is_functorch_wrapped, unwrap_if_dead
 from .._errors import NondeterministicRecomputeError, RematError
 from .._replay.checks import CURES
 from .._state import local
 
 __all__ = ["EscapeWatch"]
 
-_functorch = torch._C._functorch
 
 #: Calls whose output carries no gradient whatever their input (``.data`` is a property).
 _DETACHING = frozenset({"detach", "detach_", "data"})
@@ -393,11 +393,11 @@ def _below_dead_levels(t: torch.Tensor) -> torch.Tensor | None:
     None where one of them is a vmap's: below it the batch is a plain dimension,
     and the value is no longer the tensor the user holds (a vmap inside ``fn``).
     """
-    while _functorch.is_functorch_wrapped_tensor(t):
-        inner = _functorch.unwrap_if_dead(t)
+    while is_functorch_wrapped(t):
+        inner = unwrap_if_dead(t)
         if inner is t:
             break
-        if _functorch.is_batchedtensor(t):
+        if is_batched(t):
             return None
         t = inner
     return t

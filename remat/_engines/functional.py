@@ -123,13 +123,28 @@ from typing import Any
 
 import optree
 import torch
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .._capture.closure import Bindings, find_closed_over
 from .._capture.module_state import state_guard_of
-from .._compat import physical, storage_address
+from .._compat import (
+    GRAD,
+    JVP,
+    VMAP,
+    TorchDispatchMode,
+    current_level,
+    eager_forward_ad_level,
+    functorch_disabled,
+    functorch_level,
+    interpreters,
+    is_batched,
+    is_functorch_wrapped,
+    no_dispatch_modes,
+    physical,
+    storage_address,
+    unwrap_if_dead,
+    unwrap_once,
+)
 from .._compile import uncompiled
 from .._errors import RematError
 from .._offload.selection import current_store
@@ -150,11 +165,6 @@ from .region import Region
 from .torch_func_refusal import torch_func_refusal
 
 __all__ = ["run_functional"]
-
-_functorch = torch._C._functorch
-_GRAD = torch._C._functorch.TransformType.Grad
-_JVP = torch._C._functorch.TransformType.Jvp
-_VMAP = torch._C._functorch.TransformType.Vmap
 
 
 def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -303,9 +313,9 @@ class _Call:
         self.log: OpLog | None = None
         #: Levels live where the region was called: a wrapper at one of them that
         #: ``fn`` uses inside the forward must be an input (NOTE rule 2).
-        self.outer_levels = {i.level() for i in retrieve_all_functorch_interpreters()}
+        self.outer_levels = {i.level() for i in interpreters()}
         #: The transforms live at the call, (kind, level), for the vmap rule (rule 10).
-        self.transforms = [(i.key(), i.level()) for i in retrieve_all_functorch_interpreters()]
+        self.transforms = [(i.key(), i.level()) for i in interpreters()]
         self.guard: _HiddenInputGuard | None = None
         self.rng: RngState | None = None
         #: The generators' states when the forward ended, and its vmap levels.
@@ -512,10 +522,10 @@ class _Call:
         inside it, so the twin's forward runs ``vmap(vjp(fn))`` to see the same
         physical ops (rule 7), not ``vjp(vmap(fn))``.
         """
-        vmaps = [level for kind, level in self.transforms if kind == _VMAP]
+        vmaps = [level for kind, level in self.transforms if kind == VMAP]
         if not vmaps:
             return False
-        return any(kind == _GRAD and level > max(vmaps) for kind, level in self.transforms)
+        return any(kind == GRAD and level > max(vmaps) for kind, level in self.transforms)
 
     def adopt(self, twin: _Call) -> None:
         """Take the forward's records from ``twin``: a backward inside the vmap replays them."""
@@ -636,7 +646,7 @@ def _backward(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.T
     keep_graph = _backward_is_differentiated(inputs, grads)
     # A level that has exited (a vjp_fn called after its vjp returned) left dead
     # wrappers; unwrap them as functorch does for saved values of aten ops.
-    inputs = tuple(_functorch.unwrap_if_dead(t) for t in inputs)
+    inputs = tuple(unwrap_if_dead(t) for t in inputs)
     replay = not _forward_ad_active()
     if replay:
         call.restore_offloaded()
@@ -693,7 +703,7 @@ class _VmapRunner:
 
         def per_example(*example: torch.Tensor) -> tuple[torch.Tensor, ...]:
             out = self.run_with_escapes(example)
-            level = _functorch.maybe_current_level()
+            level = current_level()
             flags[:] = [_batched_at(t, level) for t in out]
             unbatched[:] = [t for t, b in zip(out, flags, strict=True) if not b]
             return tuple(t for t, b in zip(out, flags, strict=True) if b)
@@ -732,13 +742,13 @@ class _VmapRunner:
 
 
 def _batched_at(t: torch.Tensor, level: int | None) -> bool:
-    return bool(_functorch.is_batchedtensor(t)) and _functorch.maybe_get_level(t) == level
+    return is_batched(t) and functorch_level(t) == level
 
 
 def _jvp(ctx: Any, tangents: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
     """`_RematFunction.jvp`: recompute ``fn`` in full under ``torch.func.jvp``."""
     call: _Call = ctx.call
-    inputs = tuple(_functorch.unwrap_if_dead(t) for t in ctx.saved_tensors)
+    inputs = tuple(unwrap_if_dead(t) for t in ctx.saved_tensors)
     moving = [
         i
         for i, (t, d) in enumerate(zip(inputs, tangents[1:], strict=True))
@@ -774,13 +784,13 @@ def _tracked(t: torch.Tensor) -> bool:
     while True:
         if t.requires_grad:
             return True
-        if not _functorch.is_functorch_wrapped_tensor(t):
+        if not is_functorch_wrapped(t):
             return False
-        t = _functorch.get_unwrapped(t)
+        t = unwrap_once(t)
 
 
 def _wrapped(t: torch.Tensor) -> bool:
-    return bool(_functorch.is_functorch_wrapped_tensor(t))
+    return is_functorch_wrapped(t)
 
 
 def _differentiable(t: torch.Tensor) -> bool:
@@ -819,9 +829,9 @@ def _backward_is_differentiated(
     (wrapped at that level, which may have exited already): that level is the
     highest one they carry.
     """
-    own = max((_functorch.maybe_get_level(t) for t in inputs), default=-1)
-    for interpreter in retrieve_all_functorch_interpreters():
-        if interpreter.key() == _GRAD and interpreter.level() != own:
+    own = max((functorch_level(t) for t in inputs), default=-1)
+    for interpreter in interpreters():
+        if interpreter.key() == GRAD and interpreter.level() != own:
             return True
     tensors = [t for t in (*inputs, *grads) if t is not None]
     return any(physical(t).requires_grad for t in tensors)
@@ -856,9 +866,8 @@ def _inference_mode_errors(region: Region) -> Iterator[None]:
 @contextlib.contextmanager
 def _below_all_levels() -> Iterator[None]:
     """Plain tensor ops, seen by no dispatch mode and no functorch level (store copies)."""
-    with _disable_current_modes(), torch._C._DisableFuncTorch(), internal():
+    with no_dispatch_modes(), functorch_disabled(), internal():
         yield
-
 
 
 def _forward_ad_active() -> bool:
@@ -868,8 +877,8 @@ def _forward_ad_active() -> bool:
 
 def _forward_ad_levels() -> int:
     """How many forward-mode levels (functorch ``jvp``s, eager ``forward_ad``) are live."""
-    jvps = sum(i.key() == _JVP for i in retrieve_all_functorch_interpreters())
-    return jvps + int(torch.autograd.forward_ad._current_level >= 0)
+    jvps = sum(i.key() == JVP for i in interpreters())
+    return jvps + int(eager_forward_ad_level() >= 0)
 
 
 # ---------------------------------------------------------------------------
@@ -925,7 +934,7 @@ class _Substitution(TorchFunctionMode):
         self.call = call
         self.view_ids = {id(t) for t in table.values()}
         #: How many transforms are live where ``fn`` starts: more, and ``fn`` runs one.
-        self.depth = len(retrieve_all_functorch_interpreters())
+        self.depth = len(interpreters())
 
     def lifted(self, leaf: torch.Tensor) -> None:
         """Refuse a tensor ``fn`` reached that a transform inside ``fn`` wrapped itself.
@@ -938,10 +947,10 @@ class _Substitution(TorchFunctionMode):
         would drop the region's: `unsubstituted_error` says to pass it as an argument.
         """
         t = leaf
-        while _functorch.is_functorch_wrapped_tensor(t):
+        while is_functorch_wrapped(t):
             if id(t) in self.view_ids:
                 return  # a view the engine handed over (or a wrapper of one)
-            t = _functorch.get_unwrapped(t)
+            t = unwrap_once(t)
             if id(t) in self.table:
                 raise self.call.unsubstituted_error()
 
@@ -978,9 +987,9 @@ class _Substitution(TorchFunctionMode):
             if id(leaf) in self.watched:
                 self.used.add(id(leaf))
             new = self.table.get(id(leaf))
-            if new is None and _functorch.is_functorch_wrapped_tensor(leaf):
+            if new is None and is_functorch_wrapped(leaf):
                 if inner is None:  # once per call, and only for a wrapped leaf not mapped
-                    inner = len(retrieve_all_functorch_interpreters()) > self.depth
+                    inner = len(interpreters()) > self.depth
                 if inner:
                     self.lifted(leaf)
             if new is None and expected:
@@ -1044,7 +1053,7 @@ class _HiddenInputGuard:
         self.inputs = list(inputs)
         #: Ids of tensors aten ops made inside the forward (filled by `_Births`).
         self.born: set[int] = set()
-        self.live = {i.level() for i in retrieve_all_functorch_interpreters()}
+        self.live = {i.level() for i in interpreters()}
 
     def know(self, tensors: Sequence[Any]) -> None:
         self.known.update(id(t) for t in tensors if isinstance(t, torch.Tensor))
@@ -1100,9 +1109,9 @@ class _HiddenInputGuard:
             for i, given in enumerate(self.inputs):
                 if t is given:
                     return i
-            if not _functorch.is_functorch_wrapped_tensor(t):
+            if not is_functorch_wrapped(t):
                 return None
-            t = _functorch.get_unwrapped(t)
+            t = unwrap_once(t)
 
     def check_grad_target(self, t: torch.Tensor) -> None:
         """``torch.autograd.grad`` with respect to an input that feeds another input
@@ -1125,15 +1134,15 @@ class _HiddenInputGuard:
 
     def check(self, t: torch.Tensor, func: Any) -> None:
         self._check_substituted(t, func)
-        if _functorch.is_functorch_wrapped_tensor(t):
-            level = _functorch.maybe_get_level(t)
+        if is_functorch_wrapped(t):
+            level = functorch_level(t)
             if level in self.call.outer_levels:
                 if self._wraps_known(t):
                     self.known.add(id(t))
                     return
             else:
                 if level not in self.live:  # a level pushed inside the forward
-                    self.live = {i.level() for i in retrieve_all_functorch_interpreters()}
+                    self.live = {i.level() for i in interpreters()}
                 if level in self.live:
                     return
         elif not t.requires_grad:
@@ -1166,9 +1175,9 @@ class _HiddenInputGuard:
                 return
             if id(inner) in self.call.original_ids:
                 break
-            if not _functorch.is_functorch_wrapped_tensor(inner):
+            if not is_functorch_wrapped(inner):
                 return
-            inner = _functorch.get_unwrapped(inner)
+            inner = unwrap_once(inner)
         index = next(i for i, o in enumerate(self.call.originals) if o is inner)
         count = self.call.tensor_count
         where = (
@@ -1185,8 +1194,8 @@ class _HiddenInputGuard:
         )
 
     def _wraps_known(self, t: torch.Tensor) -> bool:
-        while _functorch.is_functorch_wrapped_tensor(t):
-            t = _functorch.get_unwrapped(t)
+        while is_functorch_wrapped(t):
+            t = unwrap_once(t)
             if id(t) in self.known or id(t) in self.born:
                 return True
         return False

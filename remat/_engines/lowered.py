@@ -41,7 +41,7 @@ NOTE [ Lowering under torch.compile ]
    place later. A region that writes a buffer in place still raises there
    (the recompute writes it again). Compiled for real, AOTAutograd replays
    random ops' state in the backward graph itself.
-7. With ``torch._functorch.config.activation_memory_budget`` below 1, torch
+7. With ``activation_memory_budget()`` below 1, torch
    2.13 crashes on ``MUST_SAVE`` for an op with several outputs (SDPA, layer
    norm): those get ``PREFER_SAVE``.
 8. Not carried into compiled code: ``determinism_check``, ``debug``,
@@ -73,9 +73,16 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .._compat import (
+    CachedCheckpointMode,
+    CachingCheckpointMode,
+    OpOverload,
+    activation_memory_budget,
+    current_level,
+    dispatch_mode_stack,
+)
 from .._policy.base import Decision, Policy
 from .._replay.rng import RngState
 from .._replay.traits import draws_random as _draws_random
@@ -101,7 +108,7 @@ def lowers(region: Region) -> bool:
         region.selective is not None
         and region.engine == "auto"
         # Not `peek_interpreter_stack()`: Dynamo always sees an interpreter there.
-        and torch._C._functorch.maybe_current_level() is None
+        and current_level() is None
     )
 
 
@@ -141,7 +148,7 @@ def _body(fn: Callable[..., Any], eager: Eager, kwargs: dict[str, Any], *args: A
     if torch.compiler.is_compiling():
         return fn(*args, **kwargs)  # traced into the checkpoint's graph
     # Run by torch's checkpoint in eager mode (NOTE rule 9): leave it a shell.
-    for mode in reversed(_get_current_dispatch_mode_stack()):
+    for mode in reversed(dispatch_mode_stack()):
         if isinstance(mode, _ForwardMode):
             mode.shell = True
             break
@@ -159,7 +166,7 @@ class _SelectivePolicy:
 
     def verdict(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The policy's verdict on ``op``, or None for an op never kept (NOTE rule 2)."""
-        if not isinstance(op, torch._ops.OpOverload):
+        if not isinstance(op, OpOverload):
             return None  # a higher-order op
         traits = _traits(op)
         if traits.writes or _draws_random(traits, args, kwargs):
@@ -173,12 +180,12 @@ class _SelectivePolicy:
         if verdict is None or self.policy.decide(verdict, None) is not Decision.SAVE:
             return CheckpointPolicy.PREFER_RECOMPUTE
         several = isinstance(getattr(ctx, "op_output", None), (tuple, list))
-        if several and torch._functorch.config.activation_memory_budget < 1:
+        if several and activation_memory_budget() < 1:
             return CheckpointPolicy.PREFER_SAVE  # NOTE rule 7
         return CheckpointPolicy.MUST_SAVE
 
 
-class _ForwardMode(torch_checkpoint._CachingTorchDispatchMode):
+class _ForwardMode(CachingCheckpointMode):
     """Torch's forward mode, which snapshots the random state and keeps nothing eagerly.
 
     Run while tracing, it tags ops with the policy's choices. Run eagerly
@@ -227,7 +234,7 @@ def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Check
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class _RecomputeMode(torch_checkpoint._CachedTorchDispatchMode):
+class _RecomputeMode(CachedCheckpointMode):
     """Torch's recompute mode, run with the forward's random state (NOTE rule 6)."""
 
     def __init__(self, forward: _ForwardMode, storage: Any) -> None:

@@ -56,10 +56,9 @@ from typing import Any, Literal
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import policies as _policies
-from .._compat import storage_address
+from .._compat import TorchDispatchMode, storage_address
 from .._engines.eager import _HOOKS_REFUSED, Frame, Holder
 from .._engines.region import Region, describe_callable
 from .._errors import RematError
