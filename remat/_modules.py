@@ -41,7 +41,7 @@ from torch import nn
 
 from . import policies
 from ._api import call_region, check_options, make_region, remat
-from ._capture.module_state import StateGuard
+from ._capture.module_state import GuardsItsModules, StateGuard
 from ._compile import uncompiled
 from ._declared_layers import is_declared_layer, warn_if_checkpointed_twice
 from ._engines.lowered import lowers, run_lowered
@@ -77,8 +77,6 @@ class _Forward:
         self.__qualname__ = getattr(function, "__qualname__", type(module).__qualname__)
         self.__wrapped__ = function
         self.state = StateGuard(self.__qualname__, roots=[module])
-        #: The engines need no guard of their own for this call (see `state_guard_of`).
-        self.remat_guards_modules = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self.original or types.MethodType(type(self.module).forward, self.module)
@@ -102,6 +100,7 @@ _OPTIONS: dict[str, Any] = {
 }
 
 
+@GuardsItsModules.register
 class _RematForward:
     """The instance attribute ``forward`` of a wrapped module (NOTE rule 1)."""
 
@@ -430,6 +429,7 @@ def _is_policy_callback(policy: Any) -> bool:
 # -- sequential ----------------------------------------------------------------
 
 
+@GuardsItsModules.register
 class _Segment:
     """Layers ``[start, stop)`` of a sequence, run one after another."""
 
@@ -440,7 +440,6 @@ class _Segment:
         self.state = StateGuard(
             self.__qualname__, roots=[m for m in self.layers if isinstance(m, nn.Module)]
         )
-        self.remat_guards_modules = True  # see `state_guard_of`
 
     def __call__(self, x: Any) -> Any:
         if torch.compiler.is_compiling():  # lowered: no guard (NOTE [ Lowering ... ] rule 8)

@@ -49,6 +49,7 @@ cells of the region's function and the ``.grad`` of the leaves it reaches).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import functools
@@ -71,9 +72,10 @@ from .._compat import (
 from .._compile import uncompiled
 from .._errors import RematError, SavedInputMutatedError
 from .._replay.checks import STANDS_FOR_LEAF
-from .._state import entered_internally, internal, local
+from .._state import engine_maps_slots, entered_internally, internal, local
 
 __all__ = [
+    "GuardsItsModules",
     "SNAPSHOT_BYTES",
     "StateGuard",
     "is_stateful",
@@ -471,7 +473,7 @@ class StateGuard:
 
     def _forward(self) -> Iterator[None]:
         self.seen, self.pins = [], []
-        if local.substitutions:  # the torch.func engine maps the slots itself: no pins
+        if engine_maps_slots():  # the torch.func engine maps the slots itself: no pins
             self.pins = None
         self.cell_start = [(cell, cell.cell_contents) for cell in self.cells if _plain(cell)]
         self.grad_watch = _Accumulations()
@@ -601,7 +603,7 @@ class StateGuard:
     @contextlib.contextmanager
     def _pinned(self) -> Iterator[None]:
         assert self.pins is not None, "this is a bug in remat, please report it"
-        if local.substitutions:  # the torch.func engine maps the slots itself
+        if engine_maps_slots():  # the torch.func engine maps the slots itself
             yield
             return
         moved: list[tuple[_Pin, torch.Tensor]] = []
@@ -717,7 +719,7 @@ def _watching(guard: StateGuard) -> Iterator[None]:
     with _hook_lock:
         _watchers[0] += 1
         hooks[_HOOK_KEY] = _pre_hook
-    stack: list[StateGuard] = local.__dict__.setdefault("watching", [])
+    stack: list[StateGuard] = local.state_guards
     stack.append(guard)
     try:
         yield
@@ -735,8 +737,17 @@ def _pre_hook(module: nn.Module, args: Any) -> None:
 
 def _saw(module: nn.Module) -> None:
     with internal():
-        for guard in local.__dict__.get("watching", ()):
+        for guard in local.state_guards:
             guard.saw(module)
+
+
+class GuardsItsModules(abc.ABC):  # noqa: B024 - a marker: registered types, no methods
+    """A region function that runs its modules under a `StateGuard` of its own.
+
+    A wrapped module's forward and a `sequential` segment guard the modules they
+    run; `state_guard_of` gives their region a guard that watches nothing.
+    Declare one with ``@GuardsItsModules.register``.
+    """
 
 
 def state_guard_of(
@@ -762,8 +773,7 @@ def state_guard_of(
         >>> int(bn.num_batches_tracked), int(guard.seen[-1][2])
         (1, 0)
     """
-    if getattr(fn, "remat_guards_modules", False):
-        # A wrapped module's forward has its own guard.
+    if isinstance(fn, GuardsItsModules):
         return StateGuard(label, watch=False, grads=grads)
     roots = [fn] if isinstance(fn, nn.Module) else []
     owners: list[nn.Module] = []

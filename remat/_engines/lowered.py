@@ -87,14 +87,11 @@ from .._policy.base import Decision, Policy
 from .._replay.rng import RngState
 from .._replay.traits import draws_random as _draws_random
 from .._replay.traits import traits as _traits
+from .._state import local
 from .lowered_names import NAME_OP, Producers, naming
 from .region import Region
 
 __all__ = ["contexts_for", "lowers", "run_lowered"]
-
-#: Lowered regions being traced around this call (NOTE rule 5). A list, not a
-#: thread-local: Dynamo tracks mutations of module-level lists while tracing.
-_depth = [0]
 
 
 def lowers(region: Region) -> bool:
@@ -102,7 +99,7 @@ def lowers(region: Region) -> bool:
     (NOTE rule 1), or it runs inside a lowered region (rule 5)."""
     if not torch.compiler.is_compiling():
         return False
-    if _depth[0]:
+    if local.lowering_depth:
         return True
     return (
         region.selective is not None
@@ -128,19 +125,19 @@ def run_lowered(
     ``eager`` runs the call in remat's engine instead, should Dynamo give up
     tracing the region whole (NOTE rule 9).
     """
-    if _depth[0] or region.policy.keeps_everything:
+    if local.lowering_depth or region.policy.keeps_everything:
         return fn(*args, **kwargs)  # NOTE rules 4 and 5
     # ``kwargs`` bound here: a keyword such as ``debug`` would go to ``checkpoint``.
     body = functools.partial(_body, fn, eager, kwargs)
     context_fn: Any = region.selective
-    _depth[0] += 1
+    local.lowering_depth += 1
     naming[0] = region.policy.uses_names
     try:
         return torch_checkpoint.checkpoint(
             body, *args, use_reentrant=False, context_fn=context_fn
         )
     finally:
-        _depth[0] -= 1
+        local.lowering_depth -= 1
         naming[0] = False
 
 
