@@ -41,7 +41,8 @@ from torch import nn
 
 from . import policies
 from ._api import call_region, check_options, make_region, remat
-from ._capture.module_state import GuardsItsModules, StateGuard
+from ._capture.module_state import StateGuard
+from ._capture.stateful import GuardsItsModules
 from ._compile import uncompiled
 from ._declared_layers import is_declared_layer, warn_if_checkpointed_twice
 from ._engines.lowered import lowers, run_lowered

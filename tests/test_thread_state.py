@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 import remat
-from remat._capture.module_state import GuardsItsModules, state_guard_of
+from remat._capture.module_state import state_guard_of
+from remat._capture.stateful import GuardsItsModules
 from remat._offload.fake import FakeHostStore
 from remat._offload.selection import current_store, use_host_store
 from remat._state import ThreadState, local

@@ -58,7 +58,7 @@ import torch
 
 from .._compat import is_functorch_wrapped, storage_identity, torch_function_disabled
 from .._errors import SavedInputMutatedError
-from .module_state import is_stateful
+from .stateful import is_stateful
 
 __all__ = ["Bindings", "find_closed_over", "is_tracked"]
 
@@ -86,7 +86,7 @@ class _Slot:
     leaves: list[Any]
     treedef: Any
     #: Position, version and storage after the forward of each tensor leaf an op read.
-    versions: list[tuple[int, int, int | None]] = dataclasses.field(default_factory=list)
+    read_versions: list[tuple[int, int, int | None]] = dataclasses.field(default_factory=list)
     #: Whether an in-place change of that tensor before the recompute raises.
     checked: bool = True
 
@@ -164,7 +164,7 @@ class Bindings:
         with torch_function_disabled():  # our reads are not the function's
             for slot, _ in self._slots:
                 if slot.checked:
-                    slot.versions = [
+                    slot.read_versions = [
                         (i, t._version, storage_identity(t))
                         for i, t in enumerate(slot.leaves)
                         if isinstance(t, torch.Tensor) and id(t) in used
@@ -173,7 +173,7 @@ class Bindings:
     def check_versions(self, label: str) -> None:
         """Before a recompute: raise if a closed-over tensor changed in place since."""
         for slot, _ in self._slots:
-            for i, version, storage in slot.versions:
+            for i, version, storage in slot.read_versions:
                 t = slot.leaves[i]
                 with torch_function_disabled():
                     now = (t._version, storage_identity(t))
