@@ -193,7 +193,7 @@ def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
         # nothing for a backward, only a reverse level around them loses savings.
         return fn(*args, **kwargs)
     call = _Call(region, fn, args, kwargs)
-    transformed = _functorch.maybe_current_level() is not None
+    transformed = current_level() is not None
     try:
         flat_out = _RematFunction.apply(call, *call.inputs)  # type: ignore[no-untyped-call]
     except RuntimeError as error:

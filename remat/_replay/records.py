@@ -90,7 +90,8 @@ class OpRecord:
     """One op of a region's forward: what it was, what the policy decided, what it keeps.
 
     The kept outputs change only through the methods below, each one transition:
-    `keep`, `drop`, `release`, `demote`, `mark_written`, `mark_offloaded`, `restore`.
+    `keep`, `name`, `drop`, `release`, `demote`, `plan_recompute`, `mark_written`,
+    `mark_offloaded`, `restore`.
     """
 
     op: Any
@@ -240,6 +241,11 @@ class OpRecord:
                 self._kept[position] = None
         if all(t is None for t in self._kept):
             self.release()
+
+    def plan_recompute(self) -> None:
+        """A memory budget's plan recomputes this op: decide so, and keep nothing."""
+        self.verdict = self.decision = Decision.RECOMPUTE
+        self.release()
 
     def mark_written(self, position: int) -> None:
         """An in-place op wrote to this kept output: never replay it (NOTE rule 3)."""
