@@ -11,7 +11,7 @@ from . import testing as testing
 from ._api import checkpoint as checkpoint
 from ._api import checkpoint_name as checkpoint_name
 from ._api import remat as remat
-from ._capture.module_state import register_stateful as register_stateful
+from ._capture.stateful import register_stateful as register_stateful
 from ._engines.budget_plans import BudgetPlan as BudgetPlan
 from ._errors import NondeterministicRecomputeError as NondeterministicRecomputeError
 from ._errors import RematError as RematError

@@ -42,6 +42,7 @@ from torch import nn
 from . import policies
 from ._api import call_region, check_options, make_region
 from ._capture.module_state import StateGuard
+from ._capture.stateful import GuardsItsModules
 from ._declared_layers import is_declared_layer, warn_if_checkpointed_twice
 from ._engines.select import run_call
 from .policies import PolicyLike
@@ -75,8 +76,6 @@ class _Forward:
         self.__qualname__ = getattr(function, "__qualname__", type(module).__qualname__)
         self.__wrapped__ = function
         self.state = StateGuard(self.__qualname__, roots=[module])
-        #: The engines need no guard of their own for this call (see `state_guard_of`).
-        self.remat_guards_modules = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self.original or types.MethodType(type(self.module).forward, self.module)
@@ -100,6 +99,7 @@ _OPTIONS: dict[str, Any] = {
 }
 
 
+@GuardsItsModules.register
 class _RematForward:
     """The instance attribute ``forward`` of a wrapped module (NOTE [ Wrapped modules ] rule 1)."""
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import optree
 import torch
-import torch.utils._pytree as torch_pytree
 
+from ._compat import torch_pytree_node
 from ._errors import RematError
 
 __all__ = [
@@ -108,7 +108,7 @@ def _can_register(leaf: Any) -> bool:
     if isinstance(leaf, torch.Tensor) or cls in _registered:
         return False
     return (
-        cls in torch_pytree.SUPPORTED_NODES
+        torch_pytree_node(cls) is not None
         or (dataclasses.is_dataclass(leaf) and not isinstance(leaf, type))
         or isinstance(leaf, (dict, list, tuple))
     )
@@ -128,7 +128,7 @@ _Unflatten = Callable[[Any, Any], Any]
 
 
 def _flatteners(cls: type) -> tuple[_Flatten, _Unflatten]:
-    node = torch_pytree.SUPPORTED_NODES.get(cls)
+    node = torch_pytree_node(cls)
     if node is not None:
         return _torch_flatteners(node)
     if issubclass(cls, dict):

@@ -14,6 +14,7 @@ from torch import nn
 from . import policies
 from ._api import remat
 from ._capture.module_state import StateGuard
+from ._capture.stateful import GuardsItsModules
 from ._engines.select import traced
 from ._modules import _check_options
 from .policies import PolicyLike
@@ -21,6 +22,7 @@ from .policies import PolicyLike
 __all__ = ["segment_bounds", "sequential"]
 
 
+@GuardsItsModules.register
 class _Segment:
     """Layers ``[start, stop)`` of a sequence, run one after another."""
 
@@ -31,7 +33,6 @@ class _Segment:
         self.state = StateGuard(
             self.__qualname__, roots=[m for m in self.layers if isinstance(m, nn.Module)]
         )
-        self.remat_guards_modules = True  # see `state_guard_of`
 
     def __call__(self, x: Any) -> Any:
         if traced():  # lowered: no guard (NOTE [ Lowering ... ] rule 8)

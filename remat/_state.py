@@ -1,4 +1,18 @@
-"""Thread-local state shared by the engines: who is recording, who is recomputing."""
+"""Per-thread state: who is recording, who is recomputing, what runs around the caller.
+
+NOTE [ Thread state ]
+1. All of remat's per-thread state is one typed object, `local` (a `ThreadState`
+   on a ``threading.local``): no module keeps a thread-local of its own, and no
+   field is added on the fly. (One module-level flag is left:
+   ``_engines/lowered_names.naming``, set around a lowered region's trace.)
+2. Each field has one owner module, named at the field: only the owner writes
+   it (through the owner's functions and context managers); other modules read
+   it, or call the owner. ``internal_depth`` is the one field with inlined
+   writers (``_engines/escapes.py``, ``_replay/checks.py``: per-call hot paths),
+   each an exact copy of `internal`.
+3. Dynamo traces reads and writes of these fields (``torch.compile`` of a lowered
+   region reads ``lowering_depth``): keep them plain attributes, no properties.
+"""
 
 from __future__ import annotations
 
@@ -8,36 +22,76 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-__all__ = ["entered_internally", "internal", "is_recomputing", "recomputing", "local"]
+__all__ = [
+    "ThreadState",
+    "engine_maps_slots",
+    "entered_internally",
+    "internal",
+    "is_recomputing",
+    "local",
+    "recomputing",
+]
 
 
-class _Local(threading.local):
+class ThreadState(threading.local):
+    """remat's state on one thread; each field's owner module writes it (NOTE rule 2)."""
+
     def __init__(self) -> None:
-        #: How many recomputes are running on this thread (nested regions recompute inside).
+        #: How many recomputes are running on this thread (nested regions recompute
+        #: inside). Owner: this module (`recomputing`).
         self.recompute_depth = 0
         #: Eager frames whose forward or recompute is running, innermost last.
+        #: Owner: ``_engines/eager.py``.
         self.frames: list[Any] = []
-        #: Op recorders (RecordMode) that `checkpoint_name` reports to, innermost last.
+        #: Op recorders (`RecordMode`) that `checkpoint_name` reports to, innermost
+        #: last. Owner: ``_replay/modes.py``.
         self.recorders: list[Any] = []
         #: Weak references to the latest `save_last` regions' handles, either engine's
-        #: (NOTE [ The save-last chain ] in ``_engines/save_last.py``).
+        #: (NOTE [ The save-last chain ]). Owner: ``_engines/save_last.py``.
         self.last_regions: list[Any] = []
-        #: How many of remat's own blocks of tensor work (snapshots, copies) are running
-        #: inside a user function: calls made there are not the function's (`internal`).
+        #: How many of remat's own blocks of tensor work (snapshots, copies) are
+        #: running inside a user function: calls made there are not the function's.
+        #: Owner: this module (`internal`; NOTE rule 2 names its inlined copies).
         self.internal_depth = 0
         #: This thread's identity, for hooks that may run on another thread (a plain
         #: object, not ``threading.get_ident()``: Dynamo traces attribute reads).
+        #: Owner: this object; read by ``_capture/module_state.py``.
         self.thread_token = object()
         #: The torch.func engine's op substitutions running on this thread, innermost
-        #: last (`functional._Substitution`). While one runs, that engine maps the
-        #: tensors ``fn`` reads (module slots included) itself, writing no slot.
+        #: last. While one runs, that engine maps the tensors ``fn`` reads (module
+        #: slots included) itself, writing no slot (`engine_maps_slots`).
+        #: Owner: ``_engines/functional.py``.
         self.substitutions: list[Any] = []
         #: An as-is inspection running on this thread (``_inspect._AsIs``): the eager
         #: engine builds region frames through it, so it can read what they keep.
+        #: Owner: ``_inspect/``.
         self.inspecting: Any = None
+        #: `StateGuard`s recording which modules run, innermost last.
+        #: Owner: ``_capture/module_state.py``.
+        self.state_guards: list[Any] = []
+        #: Runs of a region's function being traced for the determinism check
+        #: (`OpTrace`/`TraceMode`), innermost last; None while a region called
+        #: inside one runs. Owner: ``_replay/checks.py``.
+        self.traces: list[Any] = []
+        #: Host stores given with `use_host_store`, innermost last.
+        #: Owner: ``_offload/selection.py``.
+        self.host_stores: list[Any] = []
+        #: Lowered regions being traced around this call (NOTE [ Lowering under torch.compile ]
+        #: rule 5).
+        #: Owner: ``_engines/lowered.py``.
+        self.lowering_depth = 0
 
 
-local = _Local()
+local = ThreadState()
+
+
+def engine_maps_slots() -> bool:
+    """Whether the torch.func engine maps the tensors the running function reads itself.
+
+    Then it writes no module slot, so a `StateGuard` has no slot to pin
+    (``_capture/module_state.py``) and steps aside.
+    """
+    return bool(local.substitutions)
 
 
 def is_recomputing() -> bool:

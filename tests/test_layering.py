@@ -119,9 +119,88 @@ def test_the_checker_sees_a_circle() -> None:
 
 def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
     """The rule can fail: a deferred upward import inside a function is found."""
-    fake = tmp_path / "remat" / "_replay" / "log.py"
+    fake = tmp_path / "remat" / "_replay" / "records.py"
     fake.parent.mkdir(parents=True)
     fake.write_text("def f():\n    from .._engines import eager\n")
-    found = imports_of("remat._replay.log", fake, {"remat._engines.eager", "remat._engines"})
+    found = imports_of("remat._replay.records", fake, {"remat._engines.eager", "remat._engines"})
     assert found == {"remat._engines.eager"}
-    assert layer_of("remat._engines.eager") > layer_of("remat._replay.log")
+    assert layer_of("remat._engines.eager") > layer_of("remat._replay.records")
+
+
+# -- private torch lives in remat/_compat.py (NOTE [ Private torch ]) ---------
+
+#: Private torch names allowed outside ``remat/_compat.py``, each with its reason.
+PRIVATE_TORCH_EXCEPTIONS: dict[str, str] = {}
+
+
+def _is_private(part: str) -> bool:
+    return part.startswith("_") and not part.startswith("__")
+
+
+def private_torch_names(source: str) -> set[tuple[int, str]]:
+    """(line, dotted name) of each private torch module or attribute ``source`` names."""
+    tree = ast.parse(source)
+    aliases: dict[str, str] = {}  # a local name -> the torch module or object it binds
+    found: set[tuple[int, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] != "torch":
+                    continue
+                if any(_is_private(p) for p in alias.name.split(".")):
+                    found.add((node.lineno, alias.name))
+                aliases[alias.asname or "torch"] = alias.name if alias.asname else "torch"
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            parts = node.module.split(".")
+            if parts[0] != "torch":
+                continue
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                if any(_is_private(p) for p in [*parts, alias.name]):
+                    found.add((node.lineno, name))
+                aliases[alias.asname or alias.name] = name
+    for node in ast.walk(tree):
+        chain: list[str] = []
+        current: ast.AST = node
+        while isinstance(current, ast.Attribute):
+            chain.insert(0, current.attr)
+            current = current.value
+        if chain and isinstance(current, ast.Name) and current.id in aliases:
+            private = [i for i, part in enumerate(chain) if _is_private(part)]
+            if private:  # named up to its first private part
+                dotted = ".".join([aliases[current.id], *chain[: private[0] + 1]])
+                found.add((node.lineno, dotted))
+    return found
+
+
+def test_private_torch_only_in_compat() -> None:
+    outside = {
+        f"{name}:{line} {dotted}"
+        for name, path in modules().items()
+        if name != "remat._compat"
+        for line, dotted in private_torch_names(path.read_text())
+        if dotted not in PRIVATE_TORCH_EXCEPTIONS
+    }
+    assert not outside, (
+        "private torch outside remat/_compat.py (give it a named function there): "
+        + ", ".join(sorted(outside))
+    )
+
+
+def test_the_checker_sees_private_torch() -> None:
+    source = (
+        "import torch\n"
+        "import torch.utils.checkpoint as ckpt\n"
+        "from torch import nn\n"
+        "from torch.utils._python_dispatch import TorchDispatchMode\n"
+        "a = torch._C._functorch.get_unwrapped\n"
+        "b = ckpt._CachingTorchDispatchMode\n"
+        "c = nn.modules.module._global_forward_pre_hooks\n"
+        "d = torch.compiler.is_compiling, torch.__version__, x._version\n"
+    )
+    assert {name for _, name in private_torch_names(source)} == {
+        "torch.utils._python_dispatch.TorchDispatchMode",
+        "torch._C",
+        "torch.utils.checkpoint._CachingTorchDispatchMode",
+        "torch.nn.modules.module._global_forward_pre_hooks",
+    }

@@ -56,8 +56,9 @@ from typing import Any
 import optree
 import torch
 
+from .._compat import is_functorch_wrapped, storage_identity, torch_function_disabled
 from .._errors import SavedInputMutatedError
-from .module_state import is_stateful, storage_of
+from .stateful import is_stateful
 
 __all__ = ["Bindings", "find_closed_over", "is_tracked"]
 
@@ -67,7 +68,7 @@ _PYTREE_TYPES = (list, tuple, dict)
 
 def is_tracked(t: torch.Tensor) -> bool:
     """Whether some transform or eager autograd could want a gradient for ``t``."""
-    return torch._C._functorch.is_functorch_wrapped_tensor(t) or t.requires_grad
+    return is_functorch_wrapped(t) or t.requires_grad
 
 
 @dataclasses.dataclass(eq=False)
@@ -85,7 +86,7 @@ class _Slot:
     leaves: list[Any]
     treedef: Any
     #: Position, version and storage after the forward of each tensor leaf an op read.
-    versions: list[tuple[int, int, int | None]] = dataclasses.field(default_factory=list)
+    read_versions: list[tuple[int, int, int | None]] = dataclasses.field(default_factory=list)
     #: Whether an in-place change of that tensor before the recompute raises.
     checked: bool = True
 
@@ -127,7 +128,7 @@ class Bindings:
         or the snapshot tensor itself. Nothing is written to the slot.
         """
         table: dict[int, torch.Tensor] = {}
-        with torch._C.DisableTorchFunction():  # our reads are not the function's
+        with torch_function_disabled():  # our reads are not the function's
             for slot, indices in self._slots:
                 try:
                     current = slot.get()
@@ -160,11 +161,11 @@ class Bindings:
         ``used``: ids of the tensors the forward's ops got. One that none read
         (another entry of a closed-over dict) may change freely, as in autograd.
         """
-        with torch._C.DisableTorchFunction():  # our reads are not the function's
+        with torch_function_disabled():  # our reads are not the function's
             for slot, _ in self._slots:
                 if slot.checked:
-                    slot.versions = [
-                        (i, t._version, storage_of(t))
+                    slot.read_versions = [
+                        (i, t._version, storage_identity(t))
                         for i, t in enumerate(slot.leaves)
                         if isinstance(t, torch.Tensor) and id(t) in used
                     ]
@@ -172,10 +173,10 @@ class Bindings:
     def check_versions(self, label: str) -> None:
         """Before a recompute: raise if a closed-over tensor changed in place since."""
         for slot, _ in self._slots:
-            for i, version, storage in slot.versions:
+            for i, version, storage in slot.read_versions:
                 t = slot.leaves[i]
-                with torch._C.DisableTorchFunction():
-                    now = (t._version, storage_of(t))
+                with torch_function_disabled():
+                    now = (t._version, storage_identity(t))
                 if now == (version, storage):
                     continue
                 where = slot.where if len(slot.leaves) == 1 else f"element #{i} of {slot.where}"

@@ -50,329 +50,34 @@ cells of the region's function and the ``.grad`` of the leaves it reaches).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.utils.spectral_norm import SpectralNorm
-from torch.utils._python_dispatch import _disable_current_modes
 
-from .._compile import uncompiled
-from .._errors import RematError, SavedInputMutatedError
-from .._replay.checks import STANDS_FOR_LEAF
-from .._state import entered_internally, internal, local
+from .._compat import no_dispatch_modes, storage_identity
+from .._errors import SavedInputMutatedError
+from .._state import engine_maps_slots, entered_internally, internal
+from .cells import closed_over_leaves, closure_cells, holds_plain, is_bound
+from .slots import (
+    SNAPSHOT_BYTES,
+    Accumulations,
+    Pin,
+    Watched,
+    buffer_copies,
+    has_grad_slot,
+    linked_copy,
+    pins_of,
+    replaced,
+    unrestorable,
+    watch_slots,
+)
+from .stateful import GuardsItsModules, is_stateful
+from .watching import watching
 
-__all__ = [
-    "SNAPSHOT_BYTES",
-    "StateGuard",
-    "is_stateful",
-    "register_stateful",
-    "state_guard_of",
-    "storage_of",
-]
-
-#: Buffers up to this size are copied when the forward first sees their module,
-#: in case it writes them (NOTE [ State the forward changes ] rule 1).
-SNAPSHOT_BYTES = 1 << 20
-
-_STATEFUL_TYPES: list[type] = [
-    nn.modules.batchnorm._NormBase,
-    nn.utils.parametrizations._SpectralNorm,  # updates its power-iteration buffers
-]
-_stateful_types = tuple(_STATEFUL_TYPES)
-
-
-def register_stateful(cls: type) -> type:
-    """Declare that modules of type ``cls`` update buffers or parameters in forward.
-
-    While a rematerialized region is recomputed, the buffers and parameters of
-    every stateful module it runs are swapped for copies of what the forward
-    started from and restored afterwards, so state changes once per real
-    forward. Buffers of up to `SNAPSHOT_BYTES` that a forward writes are
-    handled without registration (NOTE [ State the forward changes ]); register
-    modules that write larger buffers or their parameters in place (remat
-    raises `RematError` naming them otherwise). BatchNorm (every
-    ``_NormBase``) is registered already. For a single module, set
-    ``module.remat_stateful = True`` instead. Usable as a class decorator.
-
-    Args:
-        cls (type): an ``nn.Module`` subclass.
-
-    Returns:
-        ``cls``, unchanged.
-
-    Raises:
-        TypeError: ``cls`` is not an ``nn.Module`` subclass.
-
-    Examples:
-        >>> import torch, remat
-        >>> @remat.register_stateful
-        ... class Counter(torch.nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.register_buffer("calls", torch.zeros(()))
-        ...     def forward(self, x):
-        ...         self.calls.add_(1)
-        ...         return x.sin()
-        >>> m = remat.wrap(Counter())
-        >>> m(torch.ones(2, requires_grad=True)).sum().backward()
-        >>> int(m.calls)
-        1
-    """
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise TypeError(f"remat.register_stateful: expected an nn.Module subclass, got {cls!r}")
-    global _stateful_types
-    if cls not in _STATEFUL_TYPES:
-        _STATEFUL_TYPES.append(cls)
-        _stateful_types = tuple(_STATEFUL_TYPES)
-    return cls
-
-
-def is_stateful(module: nn.Module) -> bool:
-    """Whether ``module`` updates buffers in forward (registered, flagged or spectral norm)."""
-    # ``__dict__``, not getattr: a module's __getattr__ raises internally when absent.
-    flagged = module.__dict__.get("remat_stateful", getattr(type(module), "remat_stateful", False))
-    if flagged or isinstance(module, _stateful_types):
-        return True
-    # The old-style spectral norm updates its power-iteration buffers in a pre-hook.
-    hooks = module._forward_pre_hooks
-    return bool(hooks) and any(isinstance(h, SpectralNorm) for h in hooks.values())
-
-
-@dataclasses.dataclass
-class _Pin:
-    """A parameter or buffer slot, and the tensor in it before the forward ran the module."""
-
-    where: str
-    table: dict[str, Any]
-    name: str
-    tensor: torch.Tensor
-    version: int
-    storage: int | None
-    parameter: bool
-
-
-def _pins(where: str, table: dict[str, Any], parameter: bool) -> Iterator[_Pin]:
-    for name, t in table.items():
-        if isinstance(t, torch.Tensor):
-            yield _Pin(where, table, name, t, t._version, storage_of(t), parameter)
-
-
-def storage_of(t: torch.Tensor) -> int | None:
-    """The identity of ``t``'s storage (not its address: FSDP frees and refills it)."""
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor(t)
-    if wrapped or type(t) not in (torch.Tensor, nn.Parameter):
-        return None  # a tensor subclass (DTensor) or a functorch wrapper: no plain storage
-    return int(t.untyped_storage()._cdata)
-
-
-@dataclasses.dataclass
-class _Watched:
-    """A parameter or buffer slot of a module the forward runs, and what it held then.
-
-    ``snapshot`` is a copy of the tensor's value when the module was first seen
-    (buffers up to `SNAPSHOT_BYTES`, and every tensor of a stateful module), or
-    None; ``version`` the tensor's version then.
-    """
-
-    where: str
-    table: dict[str, Any]
-    name: str
-    tensor: torch.Tensor
-    version: int
-    snapshot: torch.Tensor | None
-    parameter: bool
-    #: Written in forward by design, and idempotently (``nn.Embedding(max_norm=...)``).
-    exempt: bool = False
-
-    def written(self) -> bool:
-        return self.tensor._version != self.version
-
-
-def _watch(
-    where: str, module: nn.Module, stateful: bool, known: set[tuple[int, str, int]]
-) -> list[_Watched]:
-    """Watch ``module``'s parameters and buffers not in ``known``, copying what rule 1 copies.
-
-    A stateful module's buffers are rule 2's (`_copies`); its parameters are
-    copied here. Otherwise only buffers up to `SNAPSHOT_BYTES` are copied.
-    """
-    tables = ((True, module._parameters),) if stateful else (
-        (False, module._buffers), (True, module._parameters)
-    )
-    new = [
-        (parameter, table, name, t)
-        for parameter, table in tables
-        for name, t in table.items()
-        if isinstance(t, torch.Tensor) and (id(table), name, id(t)) not in known
-    ]
-    if not new:  # the common case: a module run again with the same tensors
-        return []
-    # nn.Embedding(max_norm=...) renormalizes its weight before reading it: a
-    # recompute renormalizes an already renormalized weight, which changes nothing.
-    renorms = isinstance(module, nn.Embedding) and module.max_norm is not None
-    watched = []
-    # Our copies are no ops of the region (nor calls of its function).
-    with _disable_current_modes(), internal(), torch.no_grad():
-        for parameter, table, name, t in new:
-            known.add((id(table), name, id(t)))
-            small = not parameter and t.numel() * t.element_size() <= SNAPSHOT_BYTES
-            snapshot = t.detach().clone() if stateful or small else None
-            watched.append(
-                _Watched(
-                    where, table, name, t, t._version, snapshot, parameter, parameter and renorms
-                )
-            )
-    return watched
-
-
-def _linked_copy(current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """A tensor holding ``value`` whose gradient flows to ``current`` (identity).
-
-    The recompute of a parameter the forward wrote in place must read the value
-    the forward started from, and still differentiate the slot's tensor (under
-    torch.func the recompute's own graph carries the parameter's gradient).
-    """
-    with internal():
-        if not current.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(
-            current
-        ):
-            return value.clone()
-        with torch.enable_grad():
-            linked = current + (value - current).detach()
-        setattr(linked, STANDS_FOR_LEAF, current.grad_fn is None)  # the recompute check
-        return linked
-
-
-_PLAIN_TYPES = (int, float, complex, bool, str, bytes, type(None))
-
-
-def _bound(cell: types.CellType) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 - an empty cell raises
-    except ValueError:
-        return False
-    return True
-
-
-def _plain(cell: types.CellType) -> bool:
-    """Whether ``cell`` holds a plain Python value (rule 2 restores those only)."""
-    return _bound(cell) and type(cell.cell_contents) in _PLAIN_TYPES
-
-
-def _has_grad_slot(t: Any) -> bool:
-    """Whether ``t`` is a plain leaf that autograd accumulates a ``.grad`` into."""
-    return (
-        isinstance(t, torch.Tensor)
-        and t.requires_grad
-        and t.is_leaf
-        and not torch._C._functorch.is_functorch_wrapped_tensor(t)
-    )
-
-
-class _Accumulations:
-    """The leaves a backward on this thread accumulates into while the forward runs (rule 3).
-
-    A post-accumulate-grad hook per watched leaf, not a before/after comparison of
-    ``.grad``: another thread training on the same parameters changes ``.grad``
-    too, and the recompute must not undo its work.
-    """
-
-    def __init__(self) -> None:
-        self.thread = local.thread_token
-        self.handles: list[Any] = []
-        self.hit: dict[int, tuple[torch.Tensor, bool]] = {}
-        self.ids: set[int] = set()
-
-    def watch(self, t: torch.Tensor) -> None:
-        if id(t) in self.ids:
-            return
-        self.ids.add(id(t))
-        started_empty = t.grad is None
-
-        def accumulated(leaf: torch.Tensor) -> None:
-            if local.thread_token is self.thread:
-                self.hit.setdefault(id(leaf), (leaf, started_empty))
-
-        self.handles.append(t.register_post_accumulate_grad_hook(accumulated))
-
-    def close(self) -> list[tuple[torch.Tensor, bool]]:
-        """Stop watching; the leaves accumulated into, with whether ``.grad`` was None."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles, self.ids = [], set()
-        hit, self.hit = list(self.hit.values()), {}
-        return hit
-
-
-def _closure_cells(fn: Any) -> list[types.CellType]:
-    """The closure cells of ``fn`` (a function, bound method or partial) and of
-    the functions it closes over, one level down (a ``nonlocal`` helper)."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    fn = getattr(fn, "__func__", fn)
-    if not isinstance(fn, types.FunctionType):
-        return []
-    cells = list(fn.__closure__ or ())
-    known = {id(c) for c in cells}  # by identity: cells compare by their contents
-    for cell in list(cells):
-        inner = cell.cell_contents if _bound(cell) else None
-        if isinstance(inner, types.FunctionType):
-            for c in inner.__closure__ or ():
-                if id(c) not in known:
-                    known.add(id(c))
-                    cells.append(c)
-    return cells
-
-
-def _closed_over_leaves(fn: Any, cells: Iterable[types.CellType]) -> list[torch.Tensor]:
-    """Leaf tensors requiring grad in ``fn``'s cells, defaults and named globals (rule 3)."""
-    values = [cell.cell_contents for cell in cells if _bound(cell)]
-    target = getattr(fn, "__func__", fn)
-    if isinstance(target, types.FunctionType):
-        values.extend(target.__defaults__ or ())
-        scope = target.__globals__
-        values.extend(scope[name] for name in target.__code__.co_names if name in scope)
-    leaves: list[torch.Tensor] = []
-    for value in values:
-        if _has_grad_slot(value) and all(value is not t for t in leaves):
-            leaves.append(value)
-    return leaves
-
-
-def _unrestorable(watched: _Watched, label: str) -> RematError:
-    kind = "parameter" if watched.parameter else "buffer"
-    t = watched.tensor
-    why = (
-        "remat does not copy parameters on every forward"
-        if watched.parameter
-        else f"remat copies buffers of at most {SNAPSHOT_BYTES} bytes on every forward"
-    )
-    return RematError(
-        f"remat: the forward of {label} modified {kind} '{watched.name}' of {watched.where} "
-        f"(shape {tuple(t.shape)}) in place, so its recompute would start from the modified "
-        f"value and modify it again ({why}). Declare the module stateful "
-        "(module.remat_stateful = True, or remat.register_stateful(type(module))) so that "
-        "remat copies its state when the forward starts and the recompute changes nothing; "
-        "or make the update outside the rematerialized function; or use "
-        "policy='everything-saveable' for this region."
-    )
-
-
-def _replaced(current: torch.Tensor, pin: _Pin) -> bool:
-    """Whether ``current`` is another tensor than the forward's, not a view of its memory.
-
-    A tensor subclass (FSDP's sharded DTensor parameters) cannot be compared by
-    memory: its slot is left as it is.
-    """
-    if current is pin.tensor or pin.storage is None:
-        return False
-    return storage_of(current) != pin.storage
+__all__ = ["SNAPSHOT_BYTES", "StateGuard", "state_guard_of"]
 
 
 class StateGuard:
@@ -429,13 +134,13 @@ class StateGuard:
         self.roots = list(roots)
         self.owners = list(owners)
         self.seen: list[tuple[dict[str, Any], str, torch.Tensor]] | None = None
-        self.pins: list[_Pin] | None = None
+        self.pins: list[Pin] | None = None
         self._pinned_ids: set[int] = set()
         self._snapshotted: set[int] = set()
         #: Slots of the modules the forward runs (NOTE [ State the forward changes ]
         #: rule 1), and after it those the forward wrote in place.
-        self.watched: list[_Watched] = []
-        self.written: list[_Watched] = []
+        self.watched: list[Watched] = []
+        self.written: list[Watched] = []
         self._watch_keys: set[tuple[int, str, int]] = set()
         #: While recomputing: (id(table), name) -> the start value of every slot
         #: the recompute gets a copy in; and the copy each holds now.
@@ -451,8 +156,8 @@ class StateGuard:
         #: can run inside the forward (torch refuses it under a torch.func transform),
         #: since reading ``.grad`` races with another thread training the same leaves.
         self.grads = grads
-        self._grad_leaves = [t for t in leaves if _has_grad_slot(t)] if grads else []
-        self.grad_watch = _Accumulations()
+        self._grad_leaves = [t for t in leaves if has_grad_slot(t)] if grads else []
+        self.grad_watch = Accumulations()
         #: (leaf, whether its ``.grad`` was None when the forward started).
         self.grads_written: list[tuple[torch.Tensor, bool]] = []
 
@@ -477,10 +182,10 @@ class StateGuard:
 
     def _forward(self) -> Iterator[None]:
         self.seen, self.pins = [], []
-        if local.substitutions:  # the torch.func engine maps the slots itself: no pins
+        if engine_maps_slots():  # the torch.func engine maps the slots itself: no pins
             self.pins = None
-        self.cell_start = [(cell, cell.cell_contents) for cell in self.cells if _plain(cell)]
-        self.grad_watch = _Accumulations()
+        self.cell_start = [(cell, cell.cell_contents) for cell in self.cells if holds_plain(cell)]
+        self.grad_watch = Accumulations()
         for t in self._grad_leaves:
             self.grad_watch.watch(t)
         for owner in self.owners:
@@ -489,7 +194,7 @@ class StateGuard:
         for root in self.roots:
             self._pin(type(root).__qualname__, root, recurse=True)
         try:
-            with _watching(self) if self.watch else contextlib.nullcontext():
+            with watching(self) if self.watch else contextlib.nullcontext():
                 yield
         except BaseException:
             self.grad_watch.close()  # no hook left on the user's leaves
@@ -500,11 +205,11 @@ class StateGuard:
         # Versions as the forward left them: a module that writes its own parameter
         # in forward (``nn.Embedding(max_norm=...)``) writes it again in the recompute.
         for pin in self.pins:
-            pin.version, pin.storage = pin.tensor._version, storage_of(pin.tensor)
+            pin.version, pin.storage = pin.tensor._version, storage_identity(pin.tensor)
 
     def _note_writes(self) -> None:
         """Keep what the forward wrote in place (rules 1 and 3); drop the other copies."""
-        written: dict[tuple[int, str], _Watched] = {}
+        written: dict[tuple[int, str], Watched] = {}
         for w in self.watched:  # per slot, the first tensor the forward wrote
             if w.written() and not w.exempt:
                 written.setdefault((id(w.table), w.name), w)
@@ -523,7 +228,7 @@ class StateGuard:
             if id(sub) not in self._snapshotted and is_stateful(sub):
                 self._snapshotted.add(id(sub))
                 assert self.seen is not None, "this is a bug in remat, please report it"
-                self.seen.extend(_copies(sub))
+                self.seen.extend(buffer_copies(sub))
 
     def saw(self, module: nn.Module) -> None:
         """The forward is about to run ``module``: pin its subtree if not pinned yet.
@@ -550,17 +255,17 @@ class StateGuard:
             self._watch(path, sub, stateful)
             if stateful and self.seen is not None and id(sub) not in self._snapshotted:
                 self._snapshotted.add(id(sub))
-                self.seen.extend(_copies(sub))
+                self.seen.extend(buffer_copies(sub))
             if self.pins is not None:
-                self.pins.extend(_pins(path, sub._parameters, parameter=True))
+                self.pins.extend(pins_of(path, sub._parameters, parameter=True))
                 if not stateful:  # stateful buffers: rule 2 instead
-                    self.pins.extend(_pins(path, sub._buffers, parameter=False))
+                    self.pins.extend(pins_of(path, sub._buffers, parameter=False))
 
     def _watch(self, path: str, module: nn.Module, stateful: bool) -> None:
-        watched = _watch(path, module, stateful, self._watch_keys)
+        watched = watch_slots(path, module, stateful, self._watch_keys)
         self.watched.extend(watched)
         for w in watched:
-            if self.grads and w.parameter and _has_grad_slot(w.tensor):
+            if self.grads and w.parameter and has_grad_slot(w.tensor):
                 self.grad_watch.watch(w.tensor)
 
     # -- recompute -----------------------------------------------------------
@@ -568,12 +273,12 @@ class StateGuard:
     def _refuse_unrestorable(self) -> None:
         for watched in self.written:
             if watched.snapshot is None:
-                raise _unrestorable(watched, self.label)
+                raise unrestorable(watched, self.label)
 
     @contextlib.contextmanager
     def _cells_restored(self) -> Iterator[None]:
         """Run the recompute with the cells as the forward found them (rule 2)."""
-        before = [(cell, cell.cell_contents) for cell, _ in self.cell_start if _bound(cell)]
+        before = [(cell, cell.cell_contents) for cell, _ in self.cell_start if is_bound(cell)]
         for cell, start in self.cell_start:
             cell.cell_contents = start
         try:
@@ -589,7 +294,7 @@ class StateGuard:
             yield
             return
         kept = []
-        with _disable_current_modes(), internal(), torch.no_grad():
+        with no_dispatch_modes(), internal(), torch.no_grad():
             for t, started_empty in self.grads_written:
                 grad = t.grad
                 kept.append((t, grad, None if grad is None else grad.clone()))
@@ -598,7 +303,7 @@ class StateGuard:
         try:
             yield
         finally:
-            with _disable_current_modes(), internal(), torch.no_grad():
+            with no_dispatch_modes(), internal(), torch.no_grad():
                 for t, grad, value in kept:
                     if grad is not None and value is not None:
                         grad.copy_(value)  # autograd accumulates in place when it can
@@ -607,14 +312,14 @@ class StateGuard:
     @contextlib.contextmanager
     def _pinned(self) -> Iterator[None]:
         assert self.pins is not None, "this is a bug in remat, please report it"
-        if local.substitutions:  # the torch.func engine maps the slots itself
+        if engine_maps_slots():  # the torch.func engine maps the slots itself
             yield
             return
-        moved: list[tuple[_Pin, torch.Tensor]] = []
+        moved: list[tuple[Pin, torch.Tensor]] = []
         try:
             for pin in self.pins:
                 current = pin.table.get(pin.name)
-                if isinstance(current, torch.Tensor) and _replaced(current, pin):
+                if isinstance(current, torch.Tensor) and replaced(current, pin):
                     moved.append((pin, current))
                     pin.table[pin.name] = pin.tensor
                 self._check(pin)
@@ -623,9 +328,10 @@ class StateGuard:
             for pin, current in reversed(moved):
                 pin.table[pin.name] = current
 
-    def _check(self, pin: _Pin) -> None:
+    def _check(self, pin: Pin) -> None:
         t = pin.tensor
-        if t._version == pin.version and (pin.storage is None or storage_of(t) == pin.storage):
+        same_storage = pin.storage is None or storage_identity(t) == pin.storage
+        if t._version == pin.version and same_storage:
             return
         if pin.parameter:
             kind = "parameter"
@@ -659,7 +365,7 @@ class StateGuard:
         try:
             for table, name, _ in copies:
                 self._install(table, name)
-            with _watching(self) if self.watch else contextlib.nullcontext():
+            with watching(self) if self.watch else contextlib.nullcontext():
                 yield
         finally:
             self._swaps = None
@@ -674,10 +380,10 @@ class StateGuard:
         """Put a fresh copy of the slot's start value in it, for the recompute to write to."""
         assert self._swaps is not None, "this is a bug in remat, please report it"
         value = self._swaps[id(table), name]
-        with _disable_current_modes(), torch.no_grad():
+        with no_dispatch_modes(), torch.no_grad():
             # What is differentiated keeps its gradient (a parameter; a buffer
             # passed to functional_call).
-            copy = _linked_copy(table[name], value)
+            copy = linked_copy(table[name], value)
         table[name] = self._installed[id(table), name] = copy
         return copy
 
@@ -690,58 +396,6 @@ class StateGuard:
                 if key in self._swaps and current is not self._installed.get(key):
                     assert isinstance(current, torch.Tensor), "this is a bug in remat"
                     self._reswapped.append((table, name, current, self._install(table, name)))
-
-
-def _copies(module: nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
-    """Snapshots of ``module``'s buffers, before its forward changes them."""
-    # Outside the record/replay modes: the copies are not ops of the region.
-    with _disable_current_modes(), internal(), torch.no_grad():
-        return [
-            (module._buffers, name, buffer.clone())
-            for name, buffer in module._buffers.items()
-            if buffer is not None
-        ]
-
-
-# -- watching which modules a forward runs ---------------------------------------
-
-_hook_lock = threading.Lock()
-_watchers = [0]  # guards recording, over all threads
-#: Our key in torch's table of global forward pre-hooks. A fixed key, not a
-#: ``RemovableHandle`` (whose ids count up from 0): torch.compile guards on the
-#: table's keys, so a new handle per region call would recompile a compiled
-#: module run inside a region on every call. The entry exists only while a
-#: region records (a permanent global hook makes ``torch.compile(module)`` warn).
-_HOOK_KEY = -7_351_117
-
-
-@contextlib.contextmanager
-def _watching(guard: StateGuard) -> Iterator[None]:
-    """Tell ``guard`` (and every guard recording around it) about each module that runs."""
-    hooks = nn.modules.module._global_forward_pre_hooks
-    with _hook_lock:
-        _watchers[0] += 1
-        hooks[_HOOK_KEY] = _pre_hook
-    stack: list[StateGuard] = local.__dict__.setdefault("watching", [])
-    stack.append(guard)
-    try:
-        yield
-    finally:
-        stack.pop()
-        with _hook_lock:
-            _watchers[0] -= 1
-            if not _watchers[0]:
-                hooks.pop(_HOOK_KEY, None)
-
-
-def _pre_hook(module: nn.Module, args: Any) -> None:
-    uncompiled(_saw, module)  # a compiled module run in a region: not Dynamo's to trace
-
-
-def _saw(module: nn.Module) -> None:
-    with internal():
-        for guard in local.__dict__.get("watching", ()):
-            guard.saw(module)
 
 
 def state_guard_of(
@@ -767,8 +421,7 @@ def state_guard_of(
         >>> int(bn.num_batches_tracked), int(guard.seen[-1][2])
         (1, 0)
     """
-    if getattr(fn, "remat_guards_modules", False):
-        # A wrapped module's forward has its own guard.
+    if isinstance(fn, GuardsItsModules):
         return StateGuard(label, watch=False, grads=grads)
     roots = [fn] if isinstance(fn, nn.Module) else []
     owners: list[nn.Module] = []
@@ -783,7 +436,7 @@ def state_guard_of(
             continue
         if isinstance(value, nn.Module):
             owners.append(value)
-    cells = _closure_cells(fn)
+    cells = closure_cells(fn)
     return StateGuard(
-        label, roots, owners, cells=cells, leaves=_closed_over_leaves(fn, cells), grads=grads
+        label, roots, owners, cells=cells, leaves=closed_over_leaves(fn, cells), grads=grads
     )

@@ -36,12 +36,13 @@ from typing import Any
 
 import torch
 
+from .._compat import physical, storage_address
 from .._policy import ops as _ops
 from .._policy.base import Decision, Policy
 from .._policy.budget import MemoryBudget
 from .._policy.op_cost import op_cost
 from .._policy.planner import Needed, Outcome, Program, evaluate, solve
-from .._replay.log import OpLog, OpRecord, physical, storage_address
+from .._replay.records import OpLog, OpRecord
 from .region import Region
 
 __all__ = ["BudgetPlan", "Planned", "Planning", "log_policy", "plan_key", "plans_of", "settle"]
@@ -262,10 +263,9 @@ def _apply(log: OpLog, kept: frozenset[int]) -> frozenset[int]:
     """Release every kept record the plan does not keep; return their indices."""
     dropped = []
     for rec in log.records:
-        if rec.index in kept or rec.kept is None:
+        if rec.index in kept or not rec.holds_outputs():
             continue
-        rec.verdict = rec.decision = Decision.RECOMPUTE
-        rec.release()
+        rec.plan_recompute()
         dropped.append(rec.index)
     return frozenset(dropped)
 
@@ -276,12 +276,8 @@ def _apply(log: OpLog, kept: frozenset[int]) -> frozenset[int]:
 
 
 def _keepable(rec: OpRecord) -> bool:
-    if rec.always_live or rec.kept is None or rec.versions is None:
-        return False
-    return all(
-        t is not None and v != -1 and t._version == v
-        for t, v in zip(rec.kept, rec.versions, strict=True)
-    )
+    # Every output kept and none written since (a written one has version -1).
+    return not rec.always_live and rec.fully_replayable()
 
 
 def build_program(

@@ -62,6 +62,7 @@ from typing import Any
 import optree
 import torch
 
+from .._compat import is_batched, is_functorch_wrapped, unwrap_if_dead
 from .._errors import NondeterministicRecomputeError, RematError
 from .._replay.checks import CURES
 from .._state import local
@@ -69,7 +70,6 @@ from .escape_notes import EscapeNotes, _Escape, _name
 
 __all__ = ["EscapeWatch"]
 
-_functorch = torch._C._functorch
 
 class EscapeWatch(EscapeNotes):
     """Find tensors ``fn`` hands out besides its outputs; capture them again in recompute."""
@@ -238,11 +238,11 @@ def _below_dead_levels(t: torch.Tensor) -> torch.Tensor | None:
     None where one of them is a vmap's: below it the batch is a plain dimension,
     and the value is no longer the tensor the user holds (a vmap inside ``fn``).
     """
-    while _functorch.is_functorch_wrapped_tensor(t):
-        inner = _functorch.unwrap_if_dead(t)
+    while is_functorch_wrapped(t):
+        inner = unwrap_if_dead(t)
         if inner is t:
             break
-        if _functorch.is_batchedtensor(t):
+        if is_batched(t):
             return None
         t = inner
     return t

@@ -41,7 +41,7 @@ NOTE [ Lowering under torch.compile ]
    place later. A region that writes a buffer in place still raises there
    (the recompute writes it again). Compiled for real, AOTAutograd replays
    random ops' state in the backward graph itself.
-7. With ``torch._functorch.config.activation_memory_budget`` below 1, torch
+7. With ``activation_memory_budget()`` below 1, torch
    2.13 crashes on ``MUST_SAVE`` for an op with several outputs (SDPA, layer
    norm): those get ``PREFER_SAVE``.
 8. Not carried into compiled code: ``determinism_check``, ``debug``,
@@ -73,20 +73,25 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .._compat import (
+    CachedCheckpointMode,
+    CachingCheckpointMode,
+    OpOverload,
+    activation_memory_budget,
+    current_level,
+    dispatch_mode_stack,
+)
 from .._policy.base import Decision, Policy
-from .._replay.log import _draws_random, _traits
 from .._replay.rng import RngState
+from .._replay.traits import draws_random as _draws_random
+from .._replay.traits import traits as _traits
+from .._state import local
 from .lowered_names import NAME_OP, Producers, naming
 from .region import Region
 
 __all__ = ["contexts_for", "lowers", "run_lowered"]
-
-#: Lowered regions being traced around this call (rule 5). A list, not a
-#: thread-local: Dynamo tracks mutations of module-level lists while tracing.
-_depth = [0]
 
 
 def lowers(region: Region) -> bool:
@@ -94,13 +99,13 @@ def lowers(region: Region) -> bool:
     (NOTE [ Lowering under torch.compile ] rule 1), or it runs inside a lowered region (rule 5)."""
     if not torch.compiler.is_compiling():
         return False
-    if _depth[0]:
+    if local.lowering_depth:
         return True
     return (
         region.selective is not None
         and region.engine == "auto"
         # Not `peek_interpreter_stack()`: Dynamo always sees an interpreter there.
-        and torch._C._functorch.maybe_current_level() is None
+        and current_level() is None
     )
 
 
@@ -120,19 +125,19 @@ def run_lowered(
     ``eager`` runs the call in remat's engine instead, should Dynamo give up
     tracing the region whole (NOTE [ Lowering under torch.compile ] rule 9).
     """
-    if _depth[0] or region.policy.recomputes_nothing:
+    if local.lowering_depth or region.policy.recomputes_nothing:
         return fn(*args, **kwargs)  # NOTE [ Lowering under torch.compile ] rules 4 and 5
     # ``kwargs`` bound here: a keyword such as ``debug`` would go to ``checkpoint``.
     body = functools.partial(_body, fn, eager, kwargs)
     context_fn: Any = region.selective
-    _depth[0] += 1
+    local.lowering_depth += 1
     naming[0] = region.policy.uses_names
     try:
         return torch_checkpoint.checkpoint(
             body, *args, use_reentrant=False, context_fn=context_fn
         )
     finally:
-        _depth[0] -= 1
+        local.lowering_depth -= 1
         naming[0] = False
 
 
@@ -140,7 +145,7 @@ def _body(fn: Callable[..., Any], eager: Eager, kwargs: dict[str, Any], *args: A
     if torch.compiler.is_compiling():
         return fn(*args, **kwargs)  # traced into the checkpoint's graph
     # Run by torch's checkpoint in eager mode (rule 9): leave it a shell.
-    for mode in reversed(_get_current_dispatch_mode_stack()):
+    for mode in reversed(dispatch_mode_stack()):
         if isinstance(mode, _ForwardMode):
             mode.shell = True
             break
@@ -158,7 +163,7 @@ class _SelectivePolicy:
 
     def verdict(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The policy's verdict on ``op``, or None for an op never kept (rule 2)."""
-        if not isinstance(op, torch._ops.OpOverload):
+        if not isinstance(op, OpOverload):
             return None  # a higher-order op
         traits = _traits(op)
         if traits.writes or _draws_random(traits, args, kwargs):
@@ -172,12 +177,12 @@ class _SelectivePolicy:
         if verdict is None or self.policy.decide(verdict, None) is not Decision.SAVE:
             return CheckpointPolicy.PREFER_RECOMPUTE
         several = isinstance(getattr(ctx, "op_output", None), (tuple, list))
-        if several and torch._functorch.config.activation_memory_budget < 1:
+        if several and activation_memory_budget() < 1:
             return CheckpointPolicy.PREFER_SAVE  # NOTE [ Lowering under torch.compile ] rule 7
         return CheckpointPolicy.MUST_SAVE
 
 
-class _ForwardMode(torch_checkpoint._CachingTorchDispatchMode):
+class _ForwardMode(CachingCheckpointMode):
     """Torch's forward mode, which snapshots the random state and keeps nothing eagerly.
 
     Run while tracing, it tags ops with the policy's choices. Run eagerly
@@ -226,7 +231,7 @@ def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Check
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class _RecomputeMode(torch_checkpoint._CachedTorchDispatchMode):
+class _RecomputeMode(CachedCheckpointMode):
     """Torch's recompute mode, run with the forward's random state (rule 6)."""
 
     def __init__(self, forward: _ForwardMode, storage: Any) -> None:

@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .._compat import activation_memory_budget, torch_tree_leaves
 from .._policy.base import Decision, Policy
 
 __all__ = ["NAME_OP", "Producers", "naming", "traced_name"]
@@ -82,7 +83,7 @@ def traced_name(x: T, name: str) -> T:
     rule 4), and the op is marked a side effect so the graph keeps it.
     """
     if naming[0]:
-        leaves = [x] if isinstance(x, torch.Tensor) else torch.utils._pytree.tree_leaves(x)
+        leaves = [x] if isinstance(x, torch.Tensor) else torch_tree_leaves(x)
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 _checkpoint_name(leaf, name)
@@ -127,7 +128,7 @@ class Producers:
         assert decision is not Decision.OFFLOAD, "this is a bug in remat, please report it"
         tag = CheckpointPolicy.PREFER_RECOMPUTE
         if decision is Decision.SAVE:
-            budget = torch._functorch.config.activation_memory_budget
+            budget = activation_memory_budget()
             # NOTE [ Lowering under torch.compile ] rule 7: MUST_SAVE crashes there.
             tag = CheckpointPolicy.PREFER_SAVE if found[3] and budget < 1 else tag.MUST_SAVE
         for node in found[2]:

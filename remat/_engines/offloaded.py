@@ -27,7 +27,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from .._offload.store import HostStore, Offloaded, next_serial, offload, placeholder_for
-from .._replay.log import OpRecord
+from .._replay.records import OpRecord
 
 __all__ = ["OffloadedOutputs"]
 
@@ -80,7 +80,7 @@ class OffloadedOutputs:
         done = self._puts.get(key)
         if done is not None:
             return done.entry if done.version == t._version else None
-        if record.versions is not None and record.versions[position] != t._version:
+        if record.version_moved(position, t):
             return None
         if self.serial is None:
             self.serial = next_serial()
@@ -90,8 +90,8 @@ class OffloadedOutputs:
         if entry is None or placeholder is None:
             return None
         self._puts[key] = _Put(record, index, position, entry, t._version)
-        if record.kept is not None:
-            record.hold(position, placeholder)
+        if record.holds_outputs():
+            record.mark_offloaded(position, placeholder)
         return entry
 
     def restore(self, before: int | None = None) -> list[tuple[OpRecord, int]]:
@@ -101,26 +101,25 @@ class OffloadedOutputs:
             record, position = put.record, put.position
             if before is not None and put.index >= before:
                 continue
-            if record.kept is None or record.versions is None:
+            if not record.holds_outputs():
                 continue
-            written = record.versions[position] == -1
+            written = record.written_after_kept(position)
             with self._below():
                 value = put.entry.get().clone() if written else put.entry.get()
-            record.hold(position, value)
+            record.restore(position, value)
             restored.append((record, position))
         return restored
 
     def drop(self, restored: list[tuple[OpRecord, int]]) -> None:
         """After a recompute: the fetched values go, and every entry is forgotten (rule 3)."""
         for record, position in restored:
-            if record.kept is not None:
-                record.kept[position] = None  # what backward read, its holders keep
+            record.drop(position)  # what backward read, its holders keep
         self._puts.clear()
 
     def prune(self) -> None:
         """Forget entries of released records (the holders keep theirs alive)."""
         for key, put in list(self._puts.items()):
-            if put.record.kept is None:
+            if not put.record.holds_outputs():
                 del self._puts[key]
 
     def adopt(self, other: OffloadedOutputs) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 
 from .._replay.autocast import AutocastState
-from .._replay.log import ReplayMode
+from .._replay.modes import ReplayMode
 from .._replay.rng import RngState
 from .._state import recomputing
 

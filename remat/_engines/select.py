@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .._compat import transform_active
 from .._compile import uncompiled
 from .._errors import RematError
 from .lowered import lowers, run_lowered
@@ -76,7 +77,7 @@ def engine_for(region: Region, uses_torch_func: bool) -> EngineKind:
 
     ``uses_torch_func``: the region's function is known to run a transform itself.
     """
-    transform = torch._C._functorch.peek_interpreter_stack() is not None
+    transform = transform_active()
     if region.engine == "eager" and transform:
         raise RematError(
             f"remat: {region.label} was asked for engine='eager' inside a torch.func "

@@ -33,9 +33,9 @@ from typing import Any
 import optree
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 
-from .._capture.module_state import _watching
+from .._capture.watching import watching
+from .._compat import no_dispatch_modes
 from .._replay.rng import RngState, generators_of
 
 __all__ = ["check_keywords", "preserved_state"]
@@ -94,7 +94,7 @@ def preserved_state(fn: Callable[..., Any], args: Any, kwargs: Any) -> Iterator[
         for sub in module.modules():
             buffers.saw(sub)
     try:
-        with _watching(buffers):  # type: ignore[arg-type]
+        with watching(buffers):
             yield
     finally:
         buffers.restore()
@@ -113,13 +113,13 @@ class _BufferSnapshots:
         if id(module) in self.seen:
             return
         self.seen.add(id(module))
-        with _disable_current_modes(), torch.no_grad():
+        with no_dispatch_modes(), torch.no_grad():
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     self.copies.append((module._buffers, name, buffer, buffer.clone()))
 
     def restore(self) -> None:
-        with _disable_current_modes(), torch.no_grad():
+        with no_dispatch_modes(), torch.no_grad():
             for table, name, original, copy in self.copies:
                 table[name] = original
                 if not torch.equal(original, copy):

@@ -35,7 +35,8 @@ from typing import Any
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._compat import TorchDispatchMode
 
 __all__ = ["ComputeOpCounter", "MemoryMeter", "MemoryReport", "measure_memory"]
 

@@ -56,13 +56,14 @@ from typing import Any, Literal
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import policies as _policies
+from .._compat import TorchDispatchMode, storage_address
 from .._engines.eager import _HOOKS_REFUSED, Frame, Holder
 from .._engines.region import Region, describe_callable
 from .._errors import RematError
-from .._replay.log import TAG, OpRecord, storage_address
+from .._replay.records import OpRecord
+from .._replay.tags import TAG
 from .._state import local
 from ..policies import Decision, PolicyLike
 from .guard import check_keywords, preserved_state

@@ -6,13 +6,12 @@ NOTE [ Offload: streams, events, prefetch ] (``store.py``), rule 7.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 
+from .._state import local
 from .cuda import CudaHostStore
 from .store import HostStore
 
-_local = threading.local()
 _default: HostStore | None = None
 
 
@@ -38,7 +37,7 @@ def use_host_store(store: HostStore) -> Iterator[HostStore]:
         >>> [verb for verb, _ in store.log]
         ['put', 'get', 'release']
     """
-    stack: list[HostStore] = _local.__dict__.setdefault("stores", [])
+    stack: list[HostStore] = local.host_stores
     stack.append(store)
     try:
         yield store
@@ -51,7 +50,7 @@ def current_store(region_store: HostStore | None = None) -> HostStore:
     global _default
     if region_store is not None:
         return region_store
-    stack: list[HostStore] = _local.__dict__.get("stores", [])
+    stack: list[HostStore] = local.host_stores
     if stack:
         return stack[-1]
     if _default is None:

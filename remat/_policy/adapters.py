@@ -9,13 +9,14 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from .._compat import OpOverload, OpOverloadPacket
 from .base import Decision, Policy, _fn_repr
 
 # ---------------------------------------------------------------------------
 # Ops and callables
 # ---------------------------------------------------------------------------
 
-_OpLike = torch._ops.OpOverload | torch._ops.OpOverloadPacket
+_OpLike = OpOverload | OpOverloadPacket
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -43,7 +44,7 @@ class SaveTheseOps(Policy):
         return f"save_these_ops({', '.join(sorted(str(op) for op in self.ops))})"
 
 
-def save_these_ops(*ops: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> Policy:
+def save_these_ops(*ops: OpOverload | OpOverloadPacket) -> Policy:
     """Save the outputs of the given aten ops; recompute everything else.
 
     Args:

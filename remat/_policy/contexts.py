@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.utils.checkpoint as torch_checkpoint
 
+from .._compat import CachingCheckpointMode, OpOverload
 from .adapters import from_selective_checkpoint, save_these_ops
 from .base import Policy
 
@@ -51,7 +51,7 @@ def policy_of_context_fn(
     contexts = context_fn()
     forward = contexts[0] if isinstance(contexts, tuple) and len(contexts) == 2 else None
     policy_fn = getattr(forward, "policy_fn", None)
-    if not isinstance(forward, torch_checkpoint._CachingTorchDispatchMode) or policy_fn is None:
+    if not isinstance(forward, CachingCheckpointMode) or policy_fn is None:
         raise ValueError(
             f"{api}: context_fn for {label} returned {contexts!r}; only a context_fn built with "
             "torch.utils.checkpoint.create_selective_checkpoint_contexts (a policy function or "
@@ -66,7 +66,7 @@ def policy_of_context_fn(
     return from_selective_checkpoint(policy_fn)
 
 
-def _op_list(policy_fn: Callable[..., Any]) -> list[torch._ops.OpOverload] | None:
+def _op_list(policy_fn: Callable[..., Any]) -> list[OpOverload] | None:
     """The ops of torch's op-list form (NOTE rule 2), or ``None`` for a policy function."""
     code = getattr(policy_fn, "__code__", None)
     cells = getattr(policy_fn, "__closure__", None) or ()
@@ -75,6 +75,6 @@ def _op_list(policy_fn: Callable[..., Any]) -> list[torch._ops.OpOverload] | Non
     free = dict(zip(code.co_freevars, cells, strict=False))
     cell = free.get("policy_fn_or_list")
     ops = cell.cell_contents if cell is not None else None
-    if isinstance(ops, list) and all(isinstance(op, torch._ops.OpOverload) for op in ops):
+    if isinstance(ops, list) and all(isinstance(op, OpOverload) for op in ops):
         return ops
     return None  # a HigherOrderOperator in the list: asked through the function

@@ -8,8 +8,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
-
+from .._compat import OpOverload, OpOverloadPacket
 from .adapters import (
     from_callable,
     from_selective_checkpoint,
@@ -265,7 +264,7 @@ def resolve(policy: PolicyLike) -> Policy:
         return result
     if isinstance(policy, list | tuple | set | frozenset):
         return save_these_ops(*policy)
-    if isinstance(policy, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+    if isinstance(policy, OpOverload | OpOverloadPacket):
         raise TypeError(
             f"remat.policies.resolve: got the aten op {policy}, not a policy; to save its "
             f"outputs pass a list of ops: policy=[torch.ops.{policy}]."

@@ -2,7 +2,7 @@
 
 NOTE [ Recompute signatures ]
 1. Policies that record ops (``dots-saveable``, names, ``save-last``) compare
-   the recompute op by op with the forward's log (``_replay/log.py``). Policies that
+   the recompute op by op with the forward's log (``_replay/records.py``). Policies that
    record nothing (``nothing-saveable``) need a cheaper signature, taken where
    the engine already looks at every value:
 2. Eager engine: the pack hook sees every tensor autograd saves, in order. Each
@@ -34,7 +34,6 @@ NOTE [ Recompute signatures ]
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -187,14 +186,6 @@ def _maker_name(made_by: Any) -> str:
 Call = tuple[Any, tuple[tuple[torch.Size, torch.dtype], ...]]
 
 
-class _Local(threading.local):
-    def __init__(self) -> None:
-        #: Runs of ``fn`` being traced (recorded or checked), innermost last; None
-        #: while a region called inside one runs.
-        self.stack: list[TraceMode | OpTrace | None] = []
-
-
-_local = _Local()
 
 
 class OpTrace:
@@ -229,11 +220,11 @@ class OpTrace:
 
     @contextlib.contextmanager
     def _recording(self) -> Iterator[None]:
-        _local.stack.append(self)
+        state.traces.append(self)
         try:
             yield
         finally:
-            _local.stack.pop()
+            state.traces.pop()
         self.recorded = True
 
     def offer(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> OpTrace | None:
@@ -246,7 +237,7 @@ class OpTrace:
         whose guard sees the call runs the original's ``fn`` per example (NOTE [ The
         functional engine ] rule 10). Not inside inner regions, nor remat's own work.
         """
-        top = _local.stack[-1] if _local.stack else None
+        top = state.traces[-1] if state.traces else None
         if isinstance(top, OpTrace) and not state.internal_depth:
             top.calls.append((func, arg_shapes(args, kwargs)))
             return top
@@ -299,18 +290,18 @@ class TraceMode(TorchFunctionMode):
 
     def __enter__(self) -> TraceMode:
         super().__enter__()  # type: ignore[no-untyped-call]
-        _local.stack.append(self)
+        state.traces.append(self)
         return self
 
     def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
-        _local.stack.pop()
+        state.traces.pop()
         super().__exit__(kind, value, tb)  # type: ignore[no-untyped-call]
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         # Not inside an inner region, nor remat's own work (the state guard's snapshots).
-        if not (_local.stack and _local.stack[-1] is self and not state.internal_depth):
+        if not (state.traces and state.traces[-1] is self and not state.internal_depth):
             return func(*args, **(kwargs or {}))
         # Reading shapes is a torch call (a property) that modes below must not number.
         state.internal_depth += 1
@@ -368,14 +359,14 @@ def _describe_made(calls: Sequence[Call], index: int | None) -> str:
 @contextlib.contextmanager
 def inner_region(label: str, inputs: Any) -> Iterator[None]:
     """A region called inside a traced one: one entry there, and untraced by it (NOTE rule 3)."""
-    top = _local.stack[-1] if _local.stack else None
-    _local.stack.append(None)  # first: reading shapes is a torch call the trace must not see
+    top = state.traces[-1] if state.traces else None
+    state.traces.append(None)  # first: reading shapes is a torch call the trace must not see
     try:
         if top is not None:
             top.note((label, _shapes(optree.tree_leaves(inputs, none_is_leaf=False))))
         yield
     finally:
-        _local.stack.pop()
+        state.traces.pop()
 
 
 def _shapes(leaves: Sequence[Any]) -> tuple[tuple[torch.Size, torch.dtype], ...]:

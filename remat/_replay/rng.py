@@ -24,14 +24,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-from torch.utils._python_dispatch import _disable_current_modes
 
+from .._compat import VMAP, interpreters, no_dispatch_modes
 from .._errors import RematError
 
 __all__ = ["RngState", "check_batched_recompute", "generators_of", "vmap_levels"]
-
-_VMAP = torch._C._functorch.TransformType.Vmap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +63,7 @@ class RngState:
 
     def differs(self, other: RngState) -> bool:
         """Whether a generator moved between ``self`` and ``other``."""
-        with _disable_current_modes():  # our comparison is no op of an enclosing region
+        with no_dispatch_modes():  # our comparison is no op of an enclosing region
             if not torch.equal(other.cpu, self.cpu):
                 return True
             states = [(a, b) for (_, a), (_, b) in zip(self.cuda, other.cuda, strict=True)]
@@ -172,7 +169,7 @@ def _names(code: types.CodeType) -> tuple[str, ...]:
 
 def vmap_levels() -> frozenset[int]:
     """The levels of the live ``vmap`` transforms."""
-    return frozenset(i.level() for i in retrieve_all_functorch_interpreters() if i.key() == _VMAP)
+    return frozenset(i.level() for i in interpreters() if i.key() == VMAP)
 
 
 def check_batched_recompute(
@@ -187,8 +184,8 @@ def check_batched_recompute(
     ``"same"`` draws the forward's values again. (``is_grads_batched=True``
     uses torch's older vmap, which refuses random ops by itself.)
     """
-    for interpreter in retrieve_all_functorch_interpreters():
-        if interpreter.key() != _VMAP or interpreter.level() in forward_levels:
+    for interpreter in interpreters():
+        if interpreter.key() != VMAP or interpreter.level() in forward_levels:
             continue
         randomness = interpreter.randomness()  # type: ignore[attr-defined]
         # The forward drew random numbers if a generator moved during it (compared

@@ -11,7 +11,7 @@ from ..._offload.store import Offloaded
 from ..._policy.base import Decision
 from ..._policy.name_check import check_names
 from ..._pytree import tensor_leaves
-from ..._replay.log import TAG
+from ..._replay.tags import tag_of
 from ..budget_plans import settle
 from .state import (
     FrameState,
@@ -46,10 +46,9 @@ class FinishingFrame(FrameState):
                 entry = self.offloaded.entry(record, position)
                 if entry is not None:
                     holder.tensor = entry
-                elif record.kept is not None and record.kept[position] is not None:
-                    holder.tensor = record.kept[position]
-                    if record.versions is not None:
-                        holder.version = record.versions[position]
+                elif (kept := record.kept_at(position)) is not None:
+                    holder.tensor = kept
+                    holder.version = record.kept_version(position)
         if not self.holds_all_as_latest:
             self.release_unread()
             self.offloaded.prune()
@@ -84,7 +83,7 @@ class FinishingFrame(FrameState):
         """Pack: put ``t`` (once per op output) and drop the record's device copy."""
         assert holder.source is not None, "this is a bug in remat, please report it"
         record, position = holder.source
-        entry = self.offloaded.put(record, getattr(t, TAG)[1], position, t)
+        entry = self.offloaded.put(record, record.index, position, t)
         return entry if entry is not None else t.detach()
 
     def offload_kept(self, out: Any, live: list[bool] | None) -> None:
@@ -94,19 +93,15 @@ class FinishingFrame(FrameState):
         be released instead.
         """
         assert self.log is not None, "this is a bug in remat, please report it"
-        outputs = {getattr(t, TAG, None) for t in tensor_leaves(out)}
+        outputs = {tag_of(t) for t in tensor_leaves(out)}
         for index, record in enumerate(self.log.records):
-            if record.kept is None or record.versions is None:
-                continue
             if live is not None and not live[index]:
                 continue
-            for position, t in enumerate(record.kept):
+            for position, t in record.unwritten_outputs():
                 if (
-                    t is not None
-                    and (record, position) not in self.offloaded
+                    (record, position) not in self.offloaded
                     and record.decision_at(position) is Decision.OFFLOAD
                     and (self.log.serial, index, position) not in outputs
-                    and t._version == record.versions[position]
                     and self.can_offload(t)
                 ):
                     self.offloaded.put(record, index, position, t)

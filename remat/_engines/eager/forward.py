@@ -8,16 +8,16 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from ..._capture.closure import find_closed_over
+from ..._compat import current_autograd_node, no_dispatch_modes
 from ..._compile import uncompiled
 from ..._errors import RematError
 from ..._policy.base import Decision
 from ..._replay.checks import (
     saved_signature,
 )
-from ..._replay.log import RecordMode
+from ..._replay.modes import RecordMode
 from .recompute import RecomputingFrame
 from .state import (
     _HOOKS_REFUSED,
@@ -68,7 +68,7 @@ class Frame(RecomputingFrame):
         """
         clean = [_version(t) for t in self.inputs] == self.versions
         seen = getattr(self.state_guard, "seen", None) or ()
-        with _disable_current_modes(), torch.no_grad():
+        with no_dispatch_modes(), torch.no_grad():
             if any(not torch.equal(table[name], copy) for table, name, copy in seen):
                 clean = False
         if self.rng is not None:
@@ -101,7 +101,7 @@ class Frame(RecomputingFrame):
     def _pack(self, t: torch.Tensor) -> Holder:
         holder = Holder(self, len(self.holders))
         self.holders.append(weakref.ref(holder))
-        if not self.inner_backward and torch._C._current_autograd_node() is not None:
+        if not self.inner_backward and current_autograd_node() is not None:
             self.inner_backward = True
         self.note_leaf(t)
         if self.check:

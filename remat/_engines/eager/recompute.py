@@ -8,8 +8,8 @@ import itertools
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
+from ..._compat import no_dispatch_modes
 from ..._compile import uncompiled
 from ..._errors import NondeterministicRecomputeError, RematError
 from ..._offload.store import Offloaded
@@ -17,7 +17,7 @@ from ..._pytree import tensor_leaves
 from ..._replay.checks import (
     CURES,
 )
-from ..._replay.log import ReplayMode, side_by_side
+from ..._replay.modes import ReplayMode, side_by_side
 from ..._replay.rng import check_batched_recompute
 from ..autograd_inside import GradWatch, OutsideGradError, feeds
 from ..recompute import recompute_context
@@ -49,7 +49,7 @@ class RecomputingFrame(FinishingFrame):
         if isinstance(value, Holder):
             return value.frame.unpack(value)
         if isinstance(value, Offloaded):
-            with _disable_current_modes():
+            with no_dispatch_modes():
                 return value.get()
         if value is None:
             raise RematError(
@@ -74,7 +74,7 @@ class RecomputingFrame(FinishingFrame):
         # ``fn``): the recording mode must not see the recompute's ops.
         in_forward = self.phase is Phase.FORWARD
         try:
-            with _disable_current_modes() if in_forward else contextlib.nullcontext():
+            with no_dispatch_modes() if in_forward else contextlib.nullcontext():
                 try:
                     with self.grad_watch():
                         self._recompute_or_retry(replay, live)

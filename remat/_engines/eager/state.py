@@ -9,9 +9,9 @@ import weakref
 from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from ..._capture.module_state import state_guard_of
+from ..._compat import no_dispatch_modes
 from ..._errors import RematError, SavedInputMutatedError
 from ..._offload.selection import current_store
 from ..._offload.store import Offloaded, next_serial
@@ -24,7 +24,7 @@ from ..._replay.checks import (
     same_signature,
     saved_signature,
 )
-from ..._replay.log import OpLog, OpRecord
+from ..._replay.records import OpLog, OpRecord
 from ..._replay.rng import RngState, generators_of
 from ..._state import local
 from ..budget_plans import log_policy
@@ -167,7 +167,7 @@ class FrameState:
         store = current_store(region.offload_store)
         #: Offloaded op outputs (NOTE [ Offloaded outputs ]); the serial orders this
         #: frame's after earlier frames'.
-        self.offloaded = OffloadedOutputs(lambda: store, _disable_current_modes, next_serial())
+        self.offloaded = OffloadedOutputs(lambda: store, no_dispatch_modes, next_serial())
 
     def alive(self) -> list[Holder]:
         """The holders autograd still references (the others were consumed or dropped)."""

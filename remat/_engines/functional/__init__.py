@@ -118,12 +118,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..._compat import current_level
 from ..region import Region
 from ..torch_func_refusal import torch_func_refusal
 from .arguments import _unpartial
 from .call import _Call
 from .function import _RematFunction
-from .levels import _forward_ad_levels, _functorch
+from .levels import _forward_ad_levels
 
 __all__ = ["run_functional", "_Call"]
 
@@ -152,7 +153,7 @@ def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
         # nothing for a backward, only a reverse level around them loses savings.
         return fn(*args, **kwargs)
     call = _Call(region, fn, args, kwargs)
-    transformed = _functorch.maybe_current_level() is not None
+    transformed = current_level() is not None
     try:
         flat_out = _RematFunction.apply(call, *call.inputs)  # type: ignore[no-untyped-call]
     except RuntimeError as error:

@@ -13,16 +13,17 @@ from typing import Any
 
 import optree
 import torch
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from ..._capture.closure import Bindings, find_closed_over
 from ..._capture.module_state import state_guard_of
+from ..._compat import interpreters
 from ..._offload.selection import current_store
 from ..._policy.name_check import check_names
 from ..._pytree import check_outputs_visible, flatten_region_io
 from ..._replay.autocast import AutocastState
 from ..._replay.checks import OpTrace, divergence
-from ..._replay.log import OpLog, RecordMode, ReplayMode
+from ..._replay.modes import RecordMode, ReplayMode
+from ..._replay.records import OpLog
 from ..._replay.rng import RngState, generators_of, vmap_levels
 from ..._state import is_recomputing
 from ..budget_plans import settle
@@ -106,10 +107,10 @@ class _Call:
         self.log: OpLog | None = None
         #: Levels live where the region was called: a wrapper at one of them that
         #: ``fn`` uses inside the forward must be an input (NOTE [ The functional engine ] rule 2).
-        self.outer_levels = {i.level() for i in retrieve_all_functorch_interpreters()}
+        self.outer_levels = {i.level() for i in interpreters()}
         #: The transforms live at the call, (kind, level), for the vmap rule
         #: (NOTE [ The functional engine ] rule 10).
-        self.transforms = [(i.key(), i.level()) for i in retrieve_all_functorch_interpreters()]
+        self.transforms = [(i.key(), i.level()) for i in interpreters()]
         self.guard: _HiddenInputGuard | None = None
         self.rng: RngState | None = None
         #: The generators' states when the forward ended, and its vmap levels.

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..._compat import unwrap_if_dead
 from ..._compile import uncompiled
 from ..._replay.rng import check_batched_recompute
 from .call import _Call
@@ -20,7 +21,6 @@ from .levels import (
     _backward_is_differentiated,
     _differentiable,
     _forward_ad_active,
-    _functorch,
 )
 from .vmap import _VmapRunner, batched_twin
 
@@ -69,7 +69,7 @@ def _backward(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.T
     keep_graph = _backward_is_differentiated(inputs, grads)
     # A level that has exited (a vjp_fn called after its vjp returned) left dead
     # wrappers; unwrap them as functorch does for saved values of aten ops.
-    inputs = tuple(_functorch.unwrap_if_dead(t) for t in inputs)
+    inputs = tuple(unwrap_if_dead(t) for t in inputs)
     replay = not _forward_ad_active()
     restored = call.offloaded.restore() if replay else []
     try:
@@ -97,7 +97,7 @@ def _vmap_rule(
 def _jvp(ctx: Any, tangents: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
     """`_RematFunction.jvp`: recompute ``fn`` in full under ``torch.func.jvp``."""
     call: _Call = ctx.call
-    inputs = tuple(_functorch.unwrap_if_dead(t) for t in ctx.saved_tensors)
+    inputs = tuple(unwrap_if_dead(t) for t in ctx.saved_tensors)
     moving = [
         i
         for i, (t, d) in enumerate(zip(inputs, tangents[1:], strict=True))

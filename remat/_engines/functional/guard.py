@@ -10,19 +10,21 @@ from typing import Any, Protocol
 
 import optree
 import torch
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..._capture.closure import Bindings
+from ..._compat import (
+    TorchDispatchMode,
+    functorch_level,
+    interpreters,
+    is_functorch_wrapped,
+    unwrap_once,
+)
 from ..._errors import RematError
 from ..._replay.checks import OpTrace
 from ..autograd_inside import differentiated_by, feeds, outside_grad_error
 from ..escapes import EscapeWatch
 from ..region import Region
-from .levels import (
-    _functorch,
-    _wrapped,
-)
+from .levels import _wrapped
 
 
 class GuardedCall(Protocol):
@@ -74,7 +76,7 @@ class _HiddenInputGuard:
         self.inputs = list(inputs)
         #: Ids of tensors aten ops made inside the forward (filled by `_Births`).
         self.born: set[int] = set()
-        self.live = {i.level() for i in retrieve_all_functorch_interpreters()}
+        self.live = {i.level() for i in interpreters()}
 
     def know(self, tensors: Sequence[Any]) -> None:
         self.known.update(id(t) for t in tensors if isinstance(t, torch.Tensor))
@@ -130,9 +132,9 @@ class _HiddenInputGuard:
             for i, given in enumerate(self.inputs):
                 if t is given:
                     return i
-            if not _functorch.is_functorch_wrapped_tensor(t):
+            if not is_functorch_wrapped(t):
                 return None
-            t = _functorch.get_unwrapped(t)
+            t = unwrap_once(t)
 
     def check_grad_target(self, t: torch.Tensor) -> None:
         """``torch.autograd.grad`` with respect to an input that feeds another input
@@ -155,15 +157,15 @@ class _HiddenInputGuard:
 
     def check(self, t: torch.Tensor, func: Any) -> None:
         self._check_substituted(t, func)
-        if _functorch.is_functorch_wrapped_tensor(t):
-            level = _functorch.maybe_get_level(t)
+        if is_functorch_wrapped(t):
+            level = functorch_level(t)
             if level in self.call.outer_levels:
                 if self._wraps_known(t):
                     self.known.add(id(t))
                     return
             else:
                 if level not in self.live:  # a level pushed inside the forward
-                    self.live = {i.level() for i in retrieve_all_functorch_interpreters()}
+                    self.live = {i.level() for i in interpreters()}
                 if level in self.live:
                     return
         elif not t.requires_grad:
@@ -196,9 +198,9 @@ class _HiddenInputGuard:
                 return
             if id(inner) in self.call.original_ids:
                 break
-            if not _functorch.is_functorch_wrapped_tensor(inner):
+            if not is_functorch_wrapped(inner):
                 return
-            inner = _functorch.get_unwrapped(inner)
+            inner = unwrap_once(inner)
         index = next(i for i, o in enumerate(self.call.originals) if o is inner)
         count = self.call.tensor_count
         where = (
@@ -215,8 +217,8 @@ class _HiddenInputGuard:
         )
 
     def _wraps_known(self, t: torch.Tensor) -> bool:
-        while _functorch.is_functorch_wrapped_tensor(t):
-            t = _functorch.get_unwrapped(t)
+        while is_functorch_wrapped(t):
+            t = unwrap_once(t)
             if id(t) in self.known or id(t) in self.born:
                 return True
         return False

@@ -9,21 +9,24 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-from torch.utils._python_dispatch import _disable_current_modes
 
+from ..._compat import (
+    GRAD,
+    JVP,
+    eager_forward_ad_level,
+    functorch_disabled,
+    functorch_level,
+    interpreters,
+    is_batched,
+    is_functorch_wrapped,
+    no_dispatch_modes,
+    physical,
+    unwrap_once,
+)
 from ..._errors import RematError
-from ..._replay.log import physical
 from ..._state import internal
 from ..region import Region
 
-_functorch = torch._C._functorch
-
-_GRAD = torch._C._functorch.TransformType.Grad
-
-_JVP = torch._C._functorch.TransformType.Jvp
-
-_VMAP = torch._C._functorch.TransformType.Vmap
 
 def _tracked(t: torch.Tensor) -> bool:
     """Whether some level (a functorch grad level or eager autograd) differentiates ``t``."""
@@ -32,18 +35,18 @@ def _tracked(t: torch.Tensor) -> bool:
     while True:
         if t.requires_grad:
             return True
-        if not _functorch.is_functorch_wrapped_tensor(t):
+        if not is_functorch_wrapped(t):
             return False
-        t = _functorch.get_unwrapped(t)
+        t = unwrap_once(t)
 
 def _wrapped(t: torch.Tensor) -> bool:
-    return bool(_functorch.is_functorch_wrapped_tensor(t))
+    return is_functorch_wrapped(t)
 
 def _differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 def _batched_at(t: torch.Tensor, level: int | None) -> bool:
-    return bool(_functorch.is_batchedtensor(t)) and _functorch.maybe_get_level(t) == level
+    return is_batched(t) and functorch_level(t) == level
 
 def _backward_is_differentiated(
     inputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...]
@@ -54,9 +57,9 @@ def _backward_is_differentiated(
     (wrapped at that level, which may have exited already): that level is the
     highest one they carry.
     """
-    own = max((_functorch.maybe_get_level(t) for t in inputs), default=-1)
-    for interpreter in retrieve_all_functorch_interpreters():
-        if interpreter.key() == _GRAD and interpreter.level() != own:
+    own = max((functorch_level(t) for t in inputs), default=-1)
+    for interpreter in interpreters():
+        if interpreter.key() == GRAD and interpreter.level() != own:
             return True
     tensors = [t for t in (*inputs, *grads) if t is not None]
     return any(physical(t).requires_grad for t in tensors)
@@ -64,7 +67,7 @@ def _backward_is_differentiated(
 @contextlib.contextmanager
 def _below_all_levels() -> Iterator[None]:
     """Plain tensor ops, seen by no dispatch mode and no functorch level (store copies)."""
-    with _disable_current_modes(), torch._C._DisableFuncTorch(), internal():
+    with no_dispatch_modes(), functorch_disabled(), internal():
         yield
 
 def _forward_ad_active() -> bool:
@@ -73,8 +76,8 @@ def _forward_ad_active() -> bool:
 
 def _forward_ad_levels() -> int:
     """How many forward-mode levels (functorch ``jvp``s, eager ``forward_ad``) are live."""
-    jvps = sum(i.key() == _JVP for i in retrieve_all_functorch_interpreters())
-    return jvps + int(torch.autograd.forward_ad._current_level >= 0)
+    jvps = sum(i.key() == JVP for i in interpreters())
+    return jvps + int(eager_forward_ad_level() >= 0)
 
 @contextlib.contextmanager
 def _inference_mode_errors(region: Region) -> Iterator[None]:

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
+from ..._compat import physical, storage_address
 from ..._policy.base import Decision, Policy
-from ..._replay.log import OpLog, physical, storage_address
+from ..._replay.records import OpLog
 from ..budget_plans import log_policy
 from ..offloaded import OffloadedOutputs
 from ..region import Region
@@ -60,16 +61,7 @@ def _new_log(region: Region, tensors: Sequence[torch.Tensor]) -> OpLog:
 
 def _demote(log: OpLog, base: Policy) -> None:
     """Release what only being the last `save_last` region kept (the base policy decides)."""
-    for rec in log.records:
-        if rec.kept is None:
-            continue
-        verdict = rec.verdict if base.needs_op_trace else base.decide_op(None, (), {})
-        for position in range(len(rec.kept)):
-            name = rec.named[position][0] if rec.named and position in rec.named else None
-            if base.decide(verdict, name) is Decision.RECOMPUTE:
-                rec.kept[position] = None
-        if all(t is None for t in rec.kept):
-            rec.release()
+    log.demote(base)
 
 
 def offload_kept(log: OpLog, offloaded: OffloadedOutputs, alive: Sequence[torch.Tensor]) -> None:
@@ -77,13 +69,9 @@ def offload_kept(log: OpLog, offloaded: OffloadedOutputs, alive: Sequence[torch.
     engine ] rule 8), except values sharing storage with ``alive`` (they free nothing)."""
     addresses = {storage_address(physical(t)) for t in alive}
     for index, record in enumerate(log.records):
-        if record.kept is None or record.versions is None:
-            continue
-        for position, t in enumerate(record.kept):
+        for position, t in record.unwritten_outputs():
             if (
-                t is None
-                or record.decision_at(position) is not Decision.OFFLOAD
-                or t._version != record.versions[position]
+                record.decision_at(position) is not Decision.OFFLOAD
                 or storage_address(t) in addresses
             ):
                 continue

@@ -10,17 +10,14 @@ from typing import Any, Protocol
 
 import optree
 import torch
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.overrides import TorchFunctionMode
 
+from ..._compat import interpreters, is_functorch_wrapped, unwrap_once
 from ..._state import local
 from .arguments import (
     _flat,
 )
 from .guard import GuardedCall, _HiddenInputGuard, unsubstituted_error
-from .levels import (
-    _functorch,
-)
 
 
 class SubstitutedCall(GuardedCall, Protocol):
@@ -66,7 +63,7 @@ class _Substitution(TorchFunctionMode):
         self.call = call
         self.view_ids = {id(t) for t in table.values()}
         #: How many transforms are live where ``fn`` starts: more, and ``fn`` runs one.
-        self.depth = len(retrieve_all_functorch_interpreters())
+        self.depth = len(interpreters())
 
     def lifted(self, leaf: torch.Tensor) -> None:
         """Refuse a tensor ``fn`` reached that a transform inside ``fn`` wrapped itself.
@@ -79,10 +76,10 @@ class _Substitution(TorchFunctionMode):
         would drop the region's: `unsubstituted_error` says to pass it as an argument.
         """
         t = leaf
-        while _functorch.is_functorch_wrapped_tensor(t):
+        while is_functorch_wrapped(t):
             if id(t) in self.view_ids:
                 return  # a view the engine handed over (or a wrapper of one)
-            t = _functorch.get_unwrapped(t)
+            t = unwrap_once(t)
             if id(t) in self.table:
                 raise unsubstituted_error(self.call)
 
@@ -119,9 +116,9 @@ class _Substitution(TorchFunctionMode):
             if id(leaf) in self.watched:
                 self.used.add(id(leaf))
             new = self.table.get(id(leaf))
-            if new is None and _functorch.is_functorch_wrapped_tensor(leaf):
+            if new is None and is_functorch_wrapped(leaf):
                 if inner is None:  # once per call, and only for a wrapped leaf not mapped
-                    inner = len(retrieve_all_functorch_interpreters()) > self.depth
+                    inner = len(interpreters()) > self.depth
                 if inner:
                     self.lifted(leaf)
             if new is None and expected:

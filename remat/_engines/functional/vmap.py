@@ -10,15 +10,11 @@ from collections.abc import Sequence
 import torch
 
 from ..._capture.closure import Bindings
+from ..._compat import GRAD, VMAP, current_level
 from ..._replay.checks import OpTrace
 from ..._state import local
 from .call import _Call
-from .levels import (
-    _GRAD,
-    _VMAP,
-    _batched_at,
-    _functorch,
-)
+from .levels import _batched_at
 
 
 def batched_twin(call: _Call, tensors: Sequence[torch.Tensor], runner: _VmapRunner) -> _Call:
@@ -40,10 +36,10 @@ def reversed_inside_vmap(call: _Call) -> bool:
     inside it, so the twin's forward runs ``vmap(vjp(fn))`` to see the same
     physical ops (NOTE [ The functional engine ] rule 7), not ``vjp(vmap(fn))``.
     """
-    vmaps = [level for kind, level in call.transforms if kind == _VMAP]
+    vmaps = [level for kind, level in call.transforms if kind == VMAP]
     if not vmaps:
         return False
-    return any(kind == _GRAD and level > max(vmaps) for kind, level in call.transforms)
+    return any(kind == GRAD and level > max(vmaps) for kind, level in call.transforms)
 
 
 class _VmapRunner:
@@ -76,7 +72,7 @@ class _VmapRunner:
 
         def per_example(*example: torch.Tensor) -> tuple[torch.Tensor, ...]:
             out = self.run_with_escapes(example)
-            level = _functorch.maybe_current_level()
+            level = current_level()
             flags[:] = [_batched_at(t, level) for t in out]
             unbatched[:] = [t for t, b in zip(out, flags, strict=True) if not b]
             return tuple(t for t, b in zip(out, flags, strict=True) if b)

@@ -1,0 +1,322 @@
+"""Every use of private torch, in one place (layer 0: imports nothing of remat).
+
+NOTE [ Private torch ]
+1. remat works below autograd and below every functorch level, where torch has
+   no public API: the functorch interpreter stack and its wrapper tensors, the
+   dispatch-mode stack, dispatch-key guards, storage identity, and a few
+   internals of ``torch.utils.checkpoint`` and ``torch._functorch.config``.
+   Each use is a small function here whose docstring says which public route
+   does not exist and which torch version it was checked against, so a torch
+   upgrade is read against this file alone.
+2. Outside this file remat names no private ``torch`` attribute or module
+   (``tests/test_layering.py`` fails on one). Tensor attributes that torch's own
+   documentation uses (``t._version``, ``t._base``, ``op._schema``) are not
+   module names and stay where they are read.
+3. Checked against torch 2.13. A function that an upstream change makes
+   obsolete says so, and is replaced by the public call when remat requires it.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as _torch_checkpoint
+from torch._functorch.pyfunctorch import FuncTorchInterpreter, retrieve_all_functorch_interpreters
+from torch.utils import _python_dispatch
+from torch.utils import _pytree as _torch_pytree
+
+__all__ = [
+    "GRAD",
+    "JVP",
+    "VMAP",
+    "CachedCheckpointMode",
+    "CachingCheckpointMode",
+    "OpOverload",
+    "OpOverloadPacket",
+    "TorchDispatchMode",
+    "activation_memory_budget",
+    "current_autograd_node",
+    "current_level",
+    "dispatch_mode_stack",
+    "eager_forward_ad_level",
+    "functorch_disabled",
+    "functorch_level",
+    "global_forward_pre_hooks",
+    "interpreters",
+    "is_batched",
+    "is_functorch_wrapped",
+    "is_traceable_wrapper_subclass",
+    "keeping_version_counters",
+    "no_dispatch_modes",
+    "physical",
+    "stateful_module_types",
+    "storage_address",
+    "storage_identity",
+    "torch_function_disabled",
+    "torch_pytree_node",
+    "torch_tree_leaves",
+    "transform_active",
+    "unwrap_if_dead",
+    "unwrap_once",
+]
+
+_functorch = torch._C._functorch
+
+# -- op and mode types --------------------------------------------------------
+
+#: The type of ``torch.ops.aten.mm.default``: torch exports no public alias (2.13).
+OpOverload = torch._ops.OpOverload
+#: The type of ``torch.ops.aten.mm``: torch exports no public alias (2.13).
+OpOverloadPacket = torch._ops.OpOverloadPacket
+#: The base of dispatch modes. Documented by torch, yet only in the private
+#: ``torch.utils._python_dispatch`` (2.13).
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+#: Whether a tensor subclass implements ``__tensor_flatten__`` (private module, 2.13).
+is_traceable_wrapper_subclass = _python_dispatch.is_traceable_wrapper_subclass
+#: Selective checkpointing's forward mode: torch's public ``create_selective_checkpoint_contexts``
+#: builds one but gives no way to extend it (2.13).
+CachingCheckpointMode = _torch_checkpoint._CachingTorchDispatchMode
+#: Selective checkpointing's recompute mode (see `CachingCheckpointMode`, 2.13).
+CachedCheckpointMode = _torch_checkpoint._CachedTorchDispatchMode
+
+#: functorch transform kinds, as `interpreters` reports them (no public enum, 2.13).
+GRAD = _functorch.TransformType.Grad
+JVP = _functorch.TransformType.Jvp
+VMAP = _functorch.TransformType.Vmap
+
+
+# -- the functorch interpreter stack and its levels ---------------------------
+
+
+def interpreters() -> list[FuncTorchInterpreter]:
+    """The live functorch transforms (``grad``, ``vmap``, ``jvp``...), outermost first.
+
+    Each has ``key()`` (a `GRAD`/`JVP`/`VMAP`) and ``level()``. torch.func has
+    no public way to ask which transforms the caller runs under (2.13).
+    """
+    return retrieve_all_functorch_interpreters()
+
+
+def transform_active() -> bool:
+    """Whether any torch.func transform runs around the caller (no public query, 2.13).
+
+    Dynamo always sees an interpreter here while tracing: use `current_level` there.
+    """
+    return _functorch.peek_interpreter_stack() is not None
+
+
+def current_level() -> int | None:
+    """The innermost functorch level, or None outside every transform (private, 2.13)."""
+    level: int | None = _functorch.maybe_current_level()
+    return level
+
+
+def functorch_disabled() -> AbstractContextManager[Any]:
+    """Run plain tensor ops, below every functorch level (no public guard, 2.13)."""
+    return torch._C._DisableFuncTorch()
+
+
+def eager_forward_ad_level() -> int:
+    """The innermost live ``torch.autograd.forward_ad`` level, -1 when none.
+
+    ``forward_ad`` asks for a ``dual_level`` to be entered, but offers no way to
+    read whether one is (2.13).
+    """
+    return int(torch.autograd.forward_ad._current_level)
+
+
+# -- functorch wrapper tensors ------------------------------------------------
+
+
+def is_functorch_wrapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a functorch wrapper (a grad or vmap level's tensor; private, 2.13)."""
+    return bool(_functorch.is_functorch_wrapped_tensor(t))
+
+
+def is_batched(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a vmap level's wrapper (private, 2.13)."""
+    return bool(_functorch.is_batchedtensor(t))
+
+
+def functorch_level(t: torch.Tensor) -> int:
+    """The functorch level of the wrapper ``t``; -1 for a plain tensor (private, 2.13)."""
+    level: int = _functorch.maybe_get_level(t)
+    return level
+
+
+def unwrap_once(t: torch.Tensor) -> torch.Tensor:
+    """The tensor one functorch wrapper ``t`` wraps (private, 2.13).
+
+    torch.func unwraps only its own outputs, on exit; code that runs inside a
+    transform and must see what a level wraps has no public route.
+    """
+    inner: torch.Tensor = _functorch.get_unwrapped(t)
+    return inner
+
+
+def unwrap_if_dead(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its wrapper when that wrapper's level has exited, else ``t``.
+
+    What functorch does itself to the saved values of aten ops (private, 2.13).
+    """
+    inner: torch.Tensor = _functorch.unwrap_if_dead(t)
+    return inner
+
+
+def physical(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under every functorch wrapper of ``t`` (see `unwrap_once`).
+
+    Python code under vmap/grad sees wrapper tensors; remat's dispatch modes,
+    below every level, see the physical ones.
+    """
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t
+
+
+# -- the dispatch-mode stack and dispatch keys --------------------------------
+
+
+def no_dispatch_modes() -> AbstractContextManager[Any]:
+    """Run the enclosed ops seen by no dispatch mode (remat's own copies and checks).
+
+    torch offers no public way to step outside the active modes (2.13).
+    """
+    return _python_dispatch._disable_current_modes()
+
+
+def dispatch_mode_stack() -> list[Any]:
+    """The active dispatch modes, outermost first (private, 2.13)."""
+    stack: list[Any] = _python_dispatch._get_current_dispatch_mode_stack()
+    return stack
+
+
+def torch_function_disabled() -> AbstractContextManager[Any]:
+    """Run the enclosed torch calls seen by no ``__torch_function__`` mode or subclass.
+
+    ``torch.overrides`` has no public guard (2.13).
+    """
+    return torch._C.DisableTorchFunction()
+
+
+def keeping_version_counters() -> AbstractContextManager[Any]:
+    """Inside ``__torch_dispatch__``, make ``detach`` share its source's version counter.
+
+    There the ADInplaceOrView key is excluded, and a plain ``detach`` would get
+    a fresh counter, so in-place writes through it would go unseen. Re-including
+    the key has no public route (2.13).
+    """
+    return torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False)
+
+
+def current_autograd_node() -> Any:
+    """The autograd node whose backward runs on this thread, or None (private, 2.13)."""
+    return torch._C._current_autograd_node()
+
+
+def _has_python_key(t: torch.Tensor) -> bool:
+    # Only Python subclasses with their own ``__torch_dispatch__`` carry the Python
+    # dispatch key; a plain subclass (``nn.Parameter``) has a real storage.
+    return bool(torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python))
+
+
+# -- storage identity ---------------------------------------------------------
+
+
+def storage_address(t: torch.Tensor) -> int:
+    """The address of ``t``'s memory: what an in-place write through any alias touches.
+
+    0 when it has none (sparse, nested, a zero tensor). A wrapper subclass
+    (``_make_wrapper_subclass``) has a storage with no data pointer (touching it
+    raises): a traceable one is identified by its first inner tensor, which its
+    in-place ops write to; any other one has no address. torch has no public
+    "is this a zero tensor / wrapper" query (2.13).
+
+    Examples:
+        >>> x = torch.ones(4)
+        >>> storage_address(x[1:]) == storage_address(x) != 0
+        True
+    """
+    if t.layout is not torch.strided or t.is_nested or t._is_zerotensor():
+        return 0
+    if type(t) is not torch.Tensor and _has_python_key(t):
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            inner = getattr(t, names[0], None) if names else None
+            return storage_address(inner) if isinstance(inner, torch.Tensor) else 0
+        return 0
+    return int(t.untyped_storage().data_ptr())
+
+
+def storage_identity(t: torch.Tensor) -> int | None:
+    """The identity of ``t``'s storage object, not of its memory; None where there is none.
+
+    Unlike `storage_address` it survives the memory being freed and refilled
+    (FSDP's ``resize_(0)`` and all-gather) and changes when ``.data = ...``
+    rebinds the tensor. Tensor subclasses (DTensor) and functorch wrappers have
+    no plain storage. The storage object's identity is private (``_cdata``, 2.13).
+
+    Examples:
+        >>> x = torch.ones(4)
+        >>> storage_identity(x[1:]) == storage_identity(x)
+        True
+    """
+    if is_functorch_wrapped(t) or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    return int(t.untyped_storage()._cdata)
+
+
+# -- torch.nn and torch.utils._pytree internals -------------------------------
+
+
+def stateful_module_types() -> list[type]:
+    """Module types of torch that update buffers in forward: batch norms, spectral norm.
+
+    Their common bases are private (``_NormBase``, ``_SpectralNorm``, 2.13).
+    """
+    return [
+        torch.nn.modules.batchnorm._NormBase,
+        torch.nn.utils.parametrizations._SpectralNorm,  # updates its power-iteration buffers
+    ]
+
+
+def global_forward_pre_hooks() -> dict[int, Any]:
+    """The table of global module forward pre-hooks, by key.
+
+    ``register_module_forward_pre_hook`` adds one under a new key each time, and
+    Dynamo guards on the table's keys: a fixed key avoids a recompile per region
+    call, and needs the table itself (private, 2.13).
+    """
+    hooks: dict[int, Any] = torch.nn.modules.module._global_forward_pre_hooks
+    return hooks
+
+
+def torch_pytree_node(cls: type) -> Any:
+    """How ``torch.utils._pytree`` flattens ``cls`` (a ``NodeDef``), or None.
+
+    Hugging Face registers its ``ModelOutput`` containers there only; torch has
+    no public pytree module to ask (2.13).
+    """
+    return _torch_pytree.SUPPORTED_NODES.get(cls)
+
+
+def torch_tree_leaves(tree: Any) -> list[Any]:
+    """``torch.utils._pytree.tree_leaves``: the pytree Dynamo traces natively (optree is
+    not traced), for code that runs while Dynamo traces. No public module (2.13)."""
+    leaves: list[Any] = _torch_pytree.tree_leaves(tree)
+    return leaves
+
+
+# -- torch.compile internals --------------------------------------------------
+
+
+def activation_memory_budget() -> float:
+    """The min-cut partitioner's activation budget (``torch._functorch.config``, 2.13).
+
+    Below 1 the partitioner may drop saved outputs of multi-output ops; there is
+    no public configuration object to read it from.
+    """
+    return float(torch._functorch.config.activation_memory_budget)
+

@@ -1,0 +1,204 @@
+"""The dispatch modes that record a region's forward and replay it in the recompute.
+
+`RecordMode` fills an `OpLog` (``_replay/records.py``) in the forward;
+`ReplayMode` runs the recompute against it, returning kept outputs instead of
+running their ops. The rules are NOTE [ Record and replay ] in ``_replay/records.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import _compat
+from .._errors import NondeterministicRecomputeError
+from .._state import local
+from .checks import CURES, arg_shapes, divergence
+from .records import OpLog, detached_alias
+from .tags import inherit_tag
+from .traits import scalars_of, traits
+
+__all__ = ["RecordMode", "ReplayMode", "side_by_side"]
+
+# NOTE: `detach` is invisible to both modes. The engines detach tensors inside
+# saved-tensor hooks, at points that differ between forward and recompute; a
+# detached tensor carries its source's tag so the policy still applies to it.
+_DETACH = torch.ops.aten.detach.default
+
+
+class RecordMode(_compat.TorchDispatchMode):
+    """Record every op of a region's forward into an `OpLog` (see NOTE rule 1)."""
+
+    def __init__(self, log: OpLog) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.log = log
+
+    def __enter__(self) -> RecordMode:
+        local.recorders.append(self)
+        try:
+            super().__enter__()  # type: ignore[no-untyped-call]
+        except BaseException:
+            local.recorders.pop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        finally:
+            local.recorders.remove(self)
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is _DETACH:
+            inherit_tag(args[0], out)
+        else:
+            self.log.record(func, args, kwargs, out)
+        return out
+
+
+class ReplayMode(_compat.TorchDispatchMode):
+    """Recompute a region, returning kept outputs instead of running their ops."""
+
+    def __init__(self, log: OpLog, check: bool = True, live: list[bool] | None = None) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.log = log
+        self.check = check
+        self.live = live
+        self.index = 0
+        # The ops the recompute ran, for error messages. While every op matches
+        # the forward (``check``) they are the forward's first ``index`` ops, so
+        # they are listed only once one did not (or when nothing checks them).
+        self._ran: list[Any] | None = None if check else []
+
+    @property
+    def ran(self) -> list[Any]:
+        """The ops the recompute ran so far (``detach`` aside)."""
+        if self._ran is not None:
+            return self._ran
+        return [rec.op for rec in self.log.records[: self.index]]
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is _DETACH:
+            return func(*args, **kwargs)
+        index = self.index
+        self.index += 1
+        records = self.log.records
+        rec = records[index] if index < len(records) else None
+        if self._ran is not None:
+            self._ran.append(func)
+        if rec is None or rec.op != func:
+            if self.check or rec is not None:  # rule 6: a misplaced replay is garbage
+                raise self.mismatch(index, func)
+        elif self.check:
+            scalars = scalars_of(args, kwargs)
+            if rec.scalars != scalars:
+                raise self.mismatch(index, func, rec.scalars, scalars)
+        if rec is None:
+            return func(*args, **kwargs)
+        kept, full = rec.replay_state()
+        if full:
+            assert kept is not None, "this is a bug in remat, please report it"
+            if rec.input_shapes is not None and rec.input_shapes != arg_shapes(args, kwargs):
+                # Rule 6: the forward's outputs for other inputs would be garbage.
+                raise divergence(
+                    self.log.label,
+                    f"op #{index} ({func}) got tensors of shapes "
+                    f"{_shape_list(rec.input_shapes)} in the forward and "
+                    f"{_shape_list(arg_shapes(args, kwargs))} in the recompute",
+                )
+            return _rebuild(func, _detached_aliases(kept))
+        if self.live is not None and not self.live[index] and not traits(func).view:
+            return _rebuild(func, [_stand_in(meta) for meta in rec.metas])
+        out = func(*args, **kwargs)
+        if kept is not None:
+            out = _substitute(out, kept)
+        return out
+
+    def mismatch(
+        self, index: int, func: Any, forward_scalars: Any = None, recompute_scalars: Any = None
+    ) -> NondeterministicRecomputeError:
+        if self._ran is None:
+            # The ops before ``index`` matched the forward's; from here on, list each.
+            self._ran = [rec.op for rec in self.log.records[:index]] + [func]
+        forward = self.log.op_names()
+        expected = forward[index] if index < len(forward) else "(the forward had ended)"
+        if forward_scalars is None:
+            what = f"the forward ran {expected}, the recompute ran {func}"
+        else:
+            what = (
+                f"{func} got the numbers {forward_scalars} in the forward and "
+                f"{recompute_scalars} in the recompute (Python state it reads changed)"
+            )
+        # determinism_check=False is no cure: it skips only the numbers' comparison.
+        return NondeterministicRecomputeError(
+            f"remat: the recompute of {self.log.label} differs from its forward at op "
+            f"#{index}: {what}. Its gradients would be wrong. {CURES}\n"
+            + side_by_side(forward, [str(f) for f in self.ran])
+        )
+
+
+def _shape_list(shapes: tuple[Any, ...]) -> str:
+    return "[" + ", ".join(str(tuple(shape)) for shape, _ in shapes) + "]"
+
+
+def _stand_in(meta: tuple[Any, ...]) -> torch.Tensor:
+    """A meta tensor shaped like a dead op's output; nothing live reads it.
+
+    On the meta device it costs nothing, and Python reading it without an op
+    (``tolist()``, ``numpy()``) or a stand-in escaping into Python state fails
+    loudly instead of passing garbage on.
+    """
+    shape, stride, dtype = meta
+    return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+
+
+def _rebuild(func: Any, tensors: list[torch.Tensor]) -> Any:
+    kind = traits(func).returns
+    if kind == "tensor":
+        return tensors[0]
+    if kind == "list":
+        return list(tensors)
+    return tuple(tensors)
+
+
+def _detached_aliases(kept: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """`detached_alias` of each kept output, under one guard (a hot path)."""
+    with _compat.keeping_version_counters():
+        return [t.detach() for t in kept if t is not None]
+
+
+def _substitute(out: Any, kept: list[torch.Tensor | None]) -> Any:
+    if isinstance(out, torch.Tensor):
+        return detached_alias(kept[0]) if kept and kept[0] is not None else out
+    items = list(out)
+    position = 0
+    for i, item in enumerate(items):
+        if isinstance(item, torch.Tensor):
+            replacement = kept[position] if position < len(kept) else None
+            if replacement is not None:
+                items[i] = detached_alias(replacement)
+            position += 1
+    return type(out)(items) if isinstance(out, tuple) else items
+
+
+def side_by_side(forward: list[str], recompute: list[str], limit: int = 40) -> str:
+    """Format the forward and recompute op logs in two columns, marking the first difference."""
+    width = max((len(s) for s in forward[:limit]), default=10) + 2
+    lines = [f"    {'forward':<{width}}recompute"]
+    marked = False
+    for i in range(min(max(len(forward), len(recompute)), limit)):
+        left = forward[i] if i < len(forward) else "-"
+        right = recompute[i] if i < len(recompute) else "-"
+        mark = "  "
+        if not marked and left != right:
+            mark, marked = "->", True
+        lines.append(f"{mark}{i:>3} {left:<{width}}{right}")
+    return "\n".join(lines)

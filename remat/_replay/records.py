@@ -1,0 +1,423 @@
+"""The record of a region's forward: one `OpRecord` per aten op, in an `OpLog`.
+
+The modes that fill it and replay it are in ``_replay/modes.py``.
+
+NOTE [ Record and replay ]
+1. In the forward pass `RecordMode` sees every aten op of the region (below
+   autograd and below every functorch layer), asks the policy for a verdict and
+   appends an `OpRecord` to the region's `OpLog`. Outputs the policy keeps
+   (``SAVE``/``OFFLOAD``) are held as detached aliases in the record.
+2. Every tensor an op returns is tagged with ``(log serial, op index, output
+   position)``. The eager engine's pack hook reads the tag to find the decision
+   for a tensor autograd saves; `checkpoint_name` reads it to find the op whose
+   output is being named.
+3. In the recompute `ReplayMode` counts ops; an op whose outputs are all kept is
+   not run: its kept outputs are returned (autograd, above the mode, still
+   records the op, so gradients flow through it). A kept output that was mutated
+   in place after it was kept is not replayed; the op runs again instead.
+4. Random ops are never kept: skipping one in the recompute would shift the
+   random stream for every later op. In-place ops are never kept either: their
+   output is their input. Nor are ops that make inference tensors (a
+   ``torch.inference_mode()`` block inside the region): those have no version
+   counter, and rerunning them is how the recompute gets the same constants.
+5. Dead ops are not run. Each record knows which earlier records produced its
+   inputs, and the log knows which inner regions ran inside it. Before a
+   recompute, `OpLog.liveness` walks back from the records whose outputs
+   backward needs: an op is live when a live op reads it, and a replayed op
+   needs none of its inputs. An inner region with anything live in it is live
+   whole, inputs included: it runs as a region of its own in the recompute,
+   keeps what its policy saves and may recompute from its inputs later. A dead
+   op returns a meta tensor of the right shape and strides instead of running
+   (free, and loud if anything reads it, or if a composite op above picks
+   another kernel for it, as attention does on meta: the engine then
+   recomputes again with every op live). Ops that must run whatever reads them are always live:
+   random ops (the random stream), in-place and ``out=`` ops (they write through views the
+   data flow does not follow) and ops whose result Python may read (``item()``,
+   ``nonzero`` and every op tagged data-dependent). View ops always run: they
+   cost nothing and need no live input.
+6. Replay hands the forward's kept outputs to the recompute's ops by position,
+   so the recompute's op at each position must be the forward's, and a
+   replayed op must get tensors of the forward's shapes, checked even with
+   ``determinism_check=False``: handing a kept output to another op, or to the
+   same op given other shapes, would compute garbage. That flag skips only the
+   comparison of Python numbers (and the signature checks of ``_replay/checks.py``).
+7. FSDP2 (``fully_shard``) gathers a unit's parameters in its forward pre-hook
+   with ``fsdp::`` ops, and in backward only if they were resharded since: a
+   region that records those ops would replay the gather (or miss it). An
+   ``fsdp::`` op recorded in a forward raises, saying to make each unit a
+   region of its own. (FSDP reshards after every backward, so a unit inside a
+   region gathers in every forward.) Regions that record no ops
+   (``nothing-saveable``) run FSDP units inside them as plain autograd does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Hashable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .. import _compat
+from .._policy.base import Decision, Policy
+from .checks import arg_shapes
+from .tags import OpTag, set_tag, tag_inner, tag_of
+from .traits import Traits, draws_random, flat_tensors, fsdp_inside, scan_args, traits, written_by
+
+__all__ = ["OpLog", "OpRecord", "detached_alias"]
+
+_serials = itertools.count(1)
+
+#: The kept version of an output written in place after it was kept: no tensor
+#: has it, so the output is never replayed again (NOTE rule 3).
+_WRITTEN = -1
+
+
+def detached_alias(t: torch.Tensor) -> torch.Tensor:
+    """A detached alias that shares ``t``'s version counter, usable below autograd.
+
+    Inside ``__torch_dispatch__`` a plain ``detach`` would get a fresh version
+    counter; then neither our mutation check nor autograd's would see in-place
+    writes to the alias.
+    """
+    with _compat.keeping_version_counters():
+        return t.detach()
+
+
+@dataclasses.dataclass(slots=True)
+class OpRecord:
+    """One op of a region's forward: what it was, what the policy decided, what it keeps.
+
+    The kept outputs change only through the methods below, each one transition:
+    `keep`, `name`, `drop`, `release`, `demote`, `plan_recompute`, `mark_written`,
+    `mark_offloaded`, `restore`.
+    """
+
+    op: Any
+    verdict: Hashable
+    decision: Decision
+    #: Position in the log.
+    index: int = -1
+    #: Kept outputs by position (detached aliases, or offload placeholders), None
+    #: where not kept; None for all when nothing is kept.
+    _kept: list[torch.Tensor | None] | None = None
+    #: The version of each kept output when it was kept: a kept output whose
+    #: version moved since was written in place, and is not replayed.
+    _kept_versions: list[int] | None = None
+    #: Decisions that `checkpoint_name` set for single outputs: position -> (name, decision).
+    _named: dict[int, tuple[str, Decision]] | None = None
+    #: Indices of the records that produced this op's tensor inputs (NOTE rule 5).
+    inputs: tuple[int, ...] = ()
+    #: (shape, stride, dtype) of each output, to stand in for a dead op.
+    metas: tuple[tuple[Any, ...], ...] = ()
+    #: The op's Python-number arguments: the recompute must pass the same (a
+    #: function reading Python state that changed since would compute else).
+    scalars: tuple[Any, ...] = ()
+    #: Runs in the recompute whatever reads it (NOTE rule 5).
+    always_live: bool = False
+    #: Outputs kept only until the forward ends, in case `checkpoint_name` saves one.
+    tentative: bool = False
+    #: (shape, dtype) of the op's tensor arguments, for ops that may be replayed:
+    #: a replayed op must get the forward's shapes (NOTE rule 6).
+    input_shapes: tuple[Any, ...] | None = None
+
+    # -- reading --------------------------------------------------------------
+
+    @property
+    def kept(self) -> tuple[torch.Tensor | None, ...] | None:
+        """The kept outputs by position (None where not kept), or None; read-only."""
+        return None if self._kept is None else tuple(self._kept)
+
+    @property
+    def named(self) -> Mapping[int, tuple[str, Decision]] | None:
+        """``{position: (name, decision)}`` for outputs `checkpoint_name` named; read-only."""
+        return self._named
+
+    def holds_outputs(self) -> bool:
+        """Whether any output slot is kept (the list may hold only Nones after `drop`)."""
+        return self._kept is not None
+
+    def kept_at(self, position: int) -> torch.Tensor | None:
+        return None if self._kept is None else self._kept[position]
+
+    def kept_version(self, position: int) -> int:
+        """The version the output at ``position`` had when kept (something is kept)."""
+        assert self._kept_versions is not None, "this is a bug in remat, please report it"
+        return self._kept_versions[position]
+
+    def version_moved(self, position: int, t: torch.Tensor) -> bool:
+        """Whether ``t`` (the output at ``position``) was written since it was kept."""
+        versions = self._kept_versions
+        return versions is not None and versions[position] != t._version
+
+    def written_after_kept(self, position: int) -> bool:
+        """Whether an in-place op of the forward wrote to this kept output (`mark_written`)."""
+        return self._kept_versions is not None and self._kept_versions[position] == _WRITTEN
+
+    def unwritten_outputs(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(position, tensor) of each kept output nothing wrote to since it was kept."""
+        kept, versions = self._kept, self._kept_versions
+        if kept is None or versions is None:
+            return
+        for position, t in enumerate(kept):
+            if t is not None and t._version == versions[position]:
+                yield position, t
+
+    def name_at(self, position: int) -> str | None:
+        """The `checkpoint_name` given to the output at ``position``, if any."""
+        named = self._named
+        return named[position][0] if named is not None and position in named else None
+
+    def decision_at(self, position: int) -> Decision:
+        if self._named is not None and position in self._named:
+            return self._named[position][1]
+        return self.decision
+
+    def fully_replayable(self) -> bool:
+        return self.replay_state()[1]
+
+    def replayable(self) -> list[torch.Tensor | None] | None:
+        """The kept outputs if none was mutated since, else None."""
+        return self.replay_state()[0]
+
+    def replay_state(self) -> tuple[list[torch.Tensor | None] | None, bool]:
+        """`replayable` and whether every output is kept, in one pass (a hot path)."""
+        kept, versions = self._kept, self._kept_versions
+        if kept is None or versions is None:
+            return None, False
+        full = True
+        for tensor, version in zip(kept, versions, strict=True):
+            if tensor is None:
+                full = False
+            elif tensor._version != version:
+                return None, False
+        return kept, full
+
+    # -- transitions ----------------------------------------------------------
+
+    def keep(self, position: int, tensor: torch.Tensor, count: int) -> None:
+        """Keep ``tensor`` as the output at ``position`` (of ``count``), noting its version."""
+        if self._kept is None:
+            self._kept = [None] * count
+            self._kept_versions = [0] * count
+        assert self._kept_versions is not None, "this is a bug in remat, please report it"
+        self._kept[position] = detached_alias(tensor)
+        self._kept_versions[position] = tensor._version
+
+    def name(self, position: int, name: str, decision: Decision) -> None:
+        """Note that `checkpoint_name` named the output at ``position``."""
+        if self._named is None:
+            self._named = {}
+        self._named[position] = (name, decision)
+        if decision is Decision.RECOMPUTE:
+            self.drop(position)
+        else:
+            self.tentative = False  # keep the siblings with it
+
+    def drop(self, position: int) -> None:
+        """Stop keeping the output at ``position`` (whoever needs it holds it)."""
+        if self._kept is not None:
+            self._kept[position] = None
+
+    def release(self) -> None:
+        """Keep nothing: the recompute runs this op again."""
+        self._kept = None
+        self._kept_versions = None
+
+    def end_forward(self) -> None:
+        """Release outputs kept only in case a name would save them."""
+        if self.tentative:
+            self.release()
+            self.tentative = False
+
+    def demote(self, base: Policy) -> None:
+        """Keep only what ``base`` keeps (a `save_last` region that is no longer last)."""
+        if self._kept is None:
+            return
+        verdict = self.verdict if base.needs_op_trace else base.decide_op(None, (), {})
+        for position in range(len(self._kept)):
+            if base.decide(verdict, self.name_at(position)) is Decision.RECOMPUTE:
+                self._kept[position] = None
+        if all(t is None for t in self._kept):
+            self.release()
+
+    def plan_recompute(self) -> None:
+        """A memory budget's plan recomputes this op: decide so, and keep nothing."""
+        self.verdict = self.decision = Decision.RECOMPUTE
+        self.release()
+
+    def mark_written(self, position: int) -> None:
+        """An in-place op wrote to this kept output: never replay it (NOTE rule 3)."""
+        if self._kept_versions is not None:
+            self._kept_versions[position] = _WRITTEN
+
+    def mark_offloaded(self, position: int, placeholder: torch.Tensor) -> None:
+        """The output at ``position`` was copied to the host: hold its placeholder."""
+        self._hold(position, placeholder)
+
+    def restore(self, position: int, value: torch.Tensor) -> None:
+        """An offloaded output came back: hold the fetched ``value`` for the replay."""
+        self._hold(position, value)
+
+    def _hold(self, position: int, value: torch.Tensor) -> None:
+        assert self._kept is not None and self._kept_versions is not None, (
+            "this is a bug in remat, please report it"
+        )
+        self._kept[position] = value
+        self._kept_versions[position] = value._version
+
+
+class OpLog:
+    """The record of one forward of one region."""
+
+    def __init__(self, policy: Policy, label: str) -> None:
+        self.policy = policy
+        self.label = label
+        self.serial = next(_serials)
+        self.records: list[OpRecord] = []
+        #: Regions that ran inside this one: (first op, end op, producers of their inputs).
+        self.regions: list[tuple[int, int, tuple[int, ...]]] = []
+        #: Kept outputs by storage address: an in-place write through any alias of
+        #: one (even an alias with its own version counter) makes it unreplayable.
+        self.kept_storages: dict[int, list[tuple[OpRecord, int]]] = {}
+        #: Every ``checkpoint_name`` given in this forward (NOTE [ Names that match nothing ]).
+        self.names_seen: set[str] = set()
+
+    def record(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        index = len(self.records)
+        outputs = flat_tensors(out)
+        op_traits = traits(op)
+        if op_traits.fsdp:
+            raise fsdp_inside(self.label, op)
+        if op_traits.writes:
+            self._invalidate_written(op_traits, args, kwargs)
+        # An op run under ``torch.inference_mode()`` inside the region makes
+        # inference tensors: constants with no version counter, which autograd
+        # never saves. They are not kept (NOTE rule 4): the recompute makes them again.
+        effectful = (
+            op_traits.writes
+            or draws_random(op_traits, args, kwargs)
+            or any(t.is_inference() for t in outputs)
+        )
+        if effectful:
+            verdict: Hashable = None
+            decision = Decision.RECOMPUTE
+        else:
+            verdict = self.policy.decide_record(index, op, args, kwargs)
+            decision = self.policy.decide(verdict, None)
+        rec = OpRecord(op, verdict, decision, index)
+        rec.inputs, rec.scalars = scan_args(args, kwargs, self.serial)
+        rec.metas = tuple([(t.shape, t.stride(), t.dtype) for t in outputs])
+        rec.always_live = effectful or op_traits.reads_data
+        if self.policy.plans_from_log or (
+            not effectful and (decision is not Decision.RECOMPUTE or self.policy.uses_names)
+        ):
+            # Also for a budget plan's cost estimate; an effectful op is never replayed.
+            rec.input_shapes = arg_shapes(args, kwargs)
+        self.records.append(rec)
+        # A named output of a multi-output op (attention's output beside its
+        # log-sum-exp) is replayable only if its siblings are kept as well.
+        rec.tentative = (
+            decision is Decision.RECOMPUTE and len(outputs) > 1
+            and self.policy.uses_names and not effectful
+        )
+        for position, tensor in enumerate(outputs):
+            tag = OpTag(self.serial, index, position)
+            set_tag(tensor, tag)
+            tag_inner(tensor, tag)
+            if decision is not Decision.RECOMPUTE or rec.tentative:
+                self._keep(rec, position, tensor)
+
+    def _keep(self, rec: OpRecord, position: int, tensor: torch.Tensor) -> None:
+        rec.keep(position, tensor, len(rec.metas))
+        address = _compat.storage_address(tensor)
+        if address:
+            self.kept_storages.setdefault(address, []).append((rec, position))
+
+    def _invalidate_written(
+        self, op_traits: Traits, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        for tensor in written_by(op_traits, args, kwargs):
+            for rec, position in self.kept_storages.get(_compat.storage_address(tensor), ()):
+                rec.mark_written(position)
+
+    def _producers(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+        return scan_args(args, kwargs, self.serial)[0]
+
+    def liveness(self, needed: list[int]) -> list[bool]:
+        """Which records a recompute must run to produce the records in ``needed``."""
+        live = [rec.always_live for rec in self.records]
+        for index in needed:
+            live[index] = True
+        regions = sorted(self.regions, reverse=True)
+        for index in range(len(self.records) - 1, -1, -1):
+            rec = self.records[index]
+            if live[index] and not rec.replay_state()[1]:  # replayed: needs no input
+                for producer in rec.inputs:
+                    live[producer] = True
+            while regions and regions[0][0] >= index:
+                start, end, producers = regions.pop(0)
+                if any(live[start:end]):
+                    self._revive(live, start, end, producers)
+        return live
+
+    def _revive(self, live: list[bool], start: int, end: int, producers: tuple[int, ...]) -> None:
+        # An inner region runs as a region of its own in the recompute: it keeps
+        # what its policy saves from the ops it sees and may recompute from its
+        # inputs later (NOTE [ The eager engine ] rule 4). No stand-in may reach
+        # it: when anything in it is live, all of it and its inputs are.
+        for index in range(start, end):
+            live[index] = True
+            rec = self.records[index]
+            if not rec.replay_state()[1]:
+                for producer in rec.inputs:
+                    live[producer] = True
+        for producer in producers:
+            live[producer] = True
+
+    def inner_region(self, inputs: list[torch.Tensor], start: int) -> None:
+        """Note that a region with these inputs ran its ops from ``start`` to now."""
+        producers = self._producers(tuple(inputs), {})
+        self.regions.append((start, len(self.records), producers))
+
+    def lookup(self, tensor: torch.Tensor) -> tuple[OpRecord, int] | None:
+        """The record and output position that produced ``tensor`` in this log, if any."""
+        tag = tag_of(tensor)
+        if tag is None or tag.log_serial != self.serial:
+            return None
+        return self.records[tag.op_index], tag.position
+
+    def name(self, tensor: torch.Tensor, name: str) -> None:
+        """Apply the policy's decision for a value tagged ``name``."""
+        self.names_seen.add(name)
+        tensor = _compat.physical(tensor)
+        found = self.lookup(tensor)
+        if found is None:
+            return  # a region input or a closed-over tensor: kept anyway
+        rec, position = found
+        if rec.always_live and rec.decision is Decision.RECOMPUTE and rec.verdict is None:
+            return  # random or in-place: never kept, see NOTE rule 4
+        decision = self.policy.decide(rec.verdict, name)
+        rec.name(position, name, decision)
+        if decision is not Decision.RECOMPUTE:
+            # Called from user code: Python-level modes (the torch.func engine's
+            # hidden-tensor guard) must not see remat's own bookkeeping, nor may a
+            # live functorch level (the recorded forward's inner vjp): detaching
+            # under it would keep a wrapper of a level that dies with the forward.
+            with _compat.torch_function_disabled(), _compat.functorch_disabled():
+                self._keep(rec, position, tensor)
+
+    def end_forward(self) -> None:
+        """Release the outputs kept only in case a name would save them."""
+        for rec in self.records:
+            rec.end_forward()
+
+    def demote(self, base: Policy) -> None:
+        """Keep only what ``base`` keeps, in every record (see `OpRecord.demote`)."""
+        for rec in self.records:
+            rec.demote(base)
+
+    def op_names(self) -> list[str]:
+        return [str(rec.op) for rec in self.records]
+
