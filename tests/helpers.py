@@ -13,11 +13,16 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+import optree
 import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+from remat._offload.fake import FakeHostStore
 
 #: Policies every engine test runs under (strings, as users write them).
 POLICIES = (
@@ -204,3 +209,142 @@ def _workers_finished(
         for process in context.processes:
             if process.is_alive():
                 process.kill()
+
+
+Fn = Callable[..., Any]
+
+
+def float_leaves(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for t in out if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def squared_grads(fn: Fn, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    ins = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    torch.manual_seed(0)
+    loss = sum(t.pow(2).sum() for t in float_leaves(fn(*ins)))
+    assert isinstance(loss, torch.Tensor)
+    return torch.autograd.grad(loss, [t for t in ins if t.requires_grad])
+
+
+def check_remat(fn: Fn, inputs: Sequence[torch.Tensor], policy: str, **options: Any) -> None:
+    expected = squared_grads(fn, inputs)
+    actual = squared_grads(remat.remat(fn, policy=policy, **options), inputs)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e)
+
+
+def x3() -> torch.Tensor:
+    return torch.randn(2, 3, 4)
+
+
+def w44() -> torch.Tensor:
+    return torch.randn(4, 4, requires_grad=True)
+
+
+F64 = torch.float64
+
+
+#: Policies that exercise what changed: offload under torch.func, names, save_last.
+TORCH_FUNC_POLICIES = (
+    "nothing-saveable",
+    "dots-saveable",
+    "offload-dots",
+    "offload:h",
+    "offload-dots+save:h",
+    "save:h",
+    "save-last",
+    "save-last+offload-dots",
+)
+
+
+def remat_offloading(
+    fn: Callable[..., Any], policy: str, store: FakeHostStore | None = None
+) -> Callable[..., Any]:
+    return remat.remat(fn, policy=policy, offload_store=store or FakeHostStore(min_bytes=0))
+
+
+def tree_close(a: Any, b: Any) -> None:
+    la, lb = optree.tree_leaves(a), optree.tree_leaves(b)
+    assert len(la) == len(lb)
+    for p, q in zip(la, lb, strict=True):
+        if isinstance(p, torch.Tensor):
+            torch.testing.assert_close(q, p, atol=1e-9, rtol=1e-7)
+        else:
+            assert p == q
+
+
+def seeded_f64(*shapes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(*s, generator=g, dtype=F64) for s in shapes)
+
+
+def named_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = remat.checkpoint_name(x @ w, "h")
+    return torch.tanh(h) @ w
+
+
+def close_or_none(a: torch.Tensor | None, b: torch.Tensor | None, what: str) -> None:
+    assert (a is None) == (b is None), what
+    if a is not None and b is not None:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=what)
+
+
+def same_state(ref: nn.Module, got: nn.Module, step: int) -> None:
+    r, g = ref.state_dict(), got.state_dict()
+    assert list(r) == list(g)
+    for key in r:
+        close_or_none(g[key], r[key], f"step {step}: state {key}")
+
+
+def same_grads(ref: nn.Module, got: nn.Module, step: int) -> None:
+    for (name, p), (_, q) in zip(ref.named_parameters(), got.named_parameters(), strict=True):
+        close_or_none(q.grad, p.grad, f"step {step}: grad of {name}")
+
+
+def train_both(
+    build: Callable[[], nn.Module],
+    prepare: Callable[[nn.Module], nn.Module],
+    *,
+    steps: int = 3,
+    shape: tuple[int, ...] = (6, 4),
+    call: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    eval_between: bool = False,
+) -> tuple[nn.Module, nn.Module]:
+    """Train ``build()`` plain and ``prepare(build())``; compare after every step."""
+    torch.manual_seed(0)
+    ref = build()
+    torch.manual_seed(0)
+    got = prepare(build())
+    same_state(ref, got, -1)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt_g = torch.optim.SGD(got.parameters(), lr=0.1, momentum=0.9)
+    run = call or (lambda m, x: m(x))
+    for step in range(steps):
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(step))
+        for m, opt in ((ref, opt_r), (got, opt_g)):
+            opt.zero_grad()
+            run(m, x).pow(2).sum().backward()
+        same_grads(ref, got, step)
+        opt_r.step()
+        opt_g.step()
+        same_state(ref, got, step)
+        if eval_between:
+            ref.eval()
+            got.eval()
+            with torch.no_grad():
+                close_or_none(run(got, x), run(ref, x), f"step {step}: eval output")
+            ref.train()
+            got.train()
+            same_state(ref, got, step)
+    return ref, got
+
+
+MODULE_POLICIES = ["nothing-saveable", "save-last", "dots-saveable", "save-last+dots-saveable"]
+
+
+def batch84() -> torch.Tensor:
+    """An (8, 4) float64 batch, seeded."""
+    torch.manual_seed(2)
+    return torch.randn(8, 4, dtype=torch.double)

@@ -11,17 +11,23 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
-from helpers import assert_close_all
+from helpers import (
+    F64,
+    TORCH_FUNC_POLICIES,
+    assert_close_all,
+    batch84,
+    seeded_f64,
+    tree_close,
+)
 from torch import nn
-from torch.func import functional_call, grad, vjp, vmap
+from torch.func import functional_call, grad, jacrev, vjp, vmap
 
 import remat
 
-POLICIES = ["nothing-saveable", "dots-saveable", "save-last", "everything-except:none"]
+PARAMETER_POLICIES = ["nothing-saveable", "dots-saveable", "save-last", "everything-except:none"]
 
 
 def mlp() -> nn.Module:
@@ -36,22 +42,17 @@ def fresh_params(net: nn.Module, requires_grad: bool = True) -> dict[str, torch.
     }
 
 
-def x() -> torch.Tensor:
-    torch.manual_seed(2)
-    return torch.randn(8, 4, dtype=torch.double)
-
-
 # -- functional_call: the forward's tensors reach the recompute -------------------
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", PARAMETER_POLICIES)
 def test_functional_call_then_backward_wrapped(policy: str) -> None:
     net = mlp()
     wrapped = remat.wrap(copy.deepcopy(net), policy=policy)
     params = fresh_params(net)
 
     def loss(model: nn.Module) -> torch.Tensor:
-        return functional_call(model, params, (x(),)).pow(2).sum()
+        return functional_call(model, params, (batch84(),)).pow(2).sum()
 
     expected = torch.autograd.grad(loss(net), list(params.values()))
     actual = torch.autograd.grad(loss(wrapped), list(params.values()))
@@ -61,7 +62,7 @@ def test_functional_call_then_backward_wrapped(policy: str) -> None:
 GLOBAL_NET = mlp()
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", PARAMETER_POLICIES)
 def test_functional_call_then_backward_region_naming_a_global_module(policy: str) -> None:
     region = remat.remat(lambda h: GLOBAL_NET(h).pow(2).sum(), policy=policy)
 
@@ -77,16 +78,16 @@ def test_functional_call_then_backward_region_naming_a_global_module(policy: str
     params = fresh_params(GLOBAL_NET)
     named = {f"net.{k}": v for k, v in params.items()}
     expected = torch.autograd.grad(
-        functional_call(Holder(lambda h: GLOBAL_NET(h).pow(2).sum()), named, (x(),)),
+        functional_call(Holder(lambda h: GLOBAL_NET(h).pow(2).sum()), named, (batch84(),)),
         list(params.values()),
     )
     actual = torch.autograd.grad(
-        functional_call(Holder(region), named, (x(),)), list(params.values())
+        functional_call(Holder(region), named, (batch84(),)), list(params.values())
     )
     assert_close_all(actual, expected)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", PARAMETER_POLICIES)
 def test_functional_call_frozen_subset_under_grad(policy: str) -> None:
     net = mlp()
     wrapped = remat.wrap(copy.deepcopy(net), policy=policy)
@@ -94,7 +95,7 @@ def test_functional_call_frozen_subset_under_grad(policy: str) -> None:
     trained = {k: v for k, v in fresh_params(net).items() if k.startswith("2.")}
 
     def loss(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
-        return lambda p: functional_call(model, {**frozen, **p}, (x(),)).pow(2).sum()
+        return lambda p: functional_call(model, {**frozen, **p}, (batch84(),)).pow(2).sum()
 
     assert_close_all(
         list(grad(loss(wrapped))(trained).values()), list(grad(loss(net))(trained).values())
@@ -106,7 +107,7 @@ def test_functional_call_ensemble_under_vmap_grad_wrt_input() -> None:
     wrapped = remat.wrap(copy.deepcopy(net), policy="dots-saveable")
     ensemble = {k: torch.stack([v.detach(), v.detach() * 2]) for k, v in fresh_params(net).items()}
 
-    h0 = x()
+    h0 = batch84()
 
     def saliency(model: nn.Module) -> Callable[..., torch.Tensor]:
         def one(p: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -123,7 +124,7 @@ def test_rebound_plain_closure_under_vjp() -> None:
     def f(h: torch.Tensor) -> torch.Tensor:
         return torch.sin(h * scale).sum()
 
-    h = x()
+    h = batch84()
     _, expected_fn = vjp(f, h)
     (expected,) = expected_fn(torch.tensor(1.0, dtype=torch.double))
     _, vjp_fn = vjp(remat.remat(f), h)
@@ -152,7 +153,7 @@ class Shifted(nn.Module):
 )
 def test_optimizer_step_before_backward_raises(policy: str, model: Callable[[], nn.Module]) -> None:
     module = remat.wrap(model(), policy=policy)
-    out = module(x().requires_grad_())
+    out = module(batch84().requires_grad_())
     with torch.no_grad():
         for p in module.parameters():
             p.add_(1.0)  # what optimizer.step() does
@@ -162,7 +163,7 @@ def test_optimizer_step_before_backward_raises(policy: str, model: Callable[[], 
 
 def test_data_assignment_before_backward_raises() -> None:
     module = remat.wrap(nn.Linear(4, 4).double())
-    out = module(x().requires_grad_())
+    out = module(batch84().requires_grad_())
     module.weight.data = torch.randn(4, 4, dtype=torch.double)
     with pytest.raises(remat.SavedInputMutatedError, match="'weight' of Linear"):
         out.sum().backward()
@@ -173,7 +174,7 @@ def test_new_view_of_the_same_memory_is_left_alone() -> None:
     # over the same memory; nothing changed, so no error and the same gradient.
     net = mlp()
     wrapped = remat.wrap(copy.deepcopy(net))
-    h = x().requires_grad_()
+    h = batch84().requires_grad_()
     out = wrapped(h).sum()
     first = wrapped[0]
     first._parameters["weight"] = nn.Parameter(first.weight.detach())
@@ -182,177 +183,14 @@ def test_new_view_of_the_same_memory_is_left_alone() -> None:
     torch.testing.assert_close(actual, expected)
 
 
-def test_stateful_module_called_twice_before_backward() -> None:
-    # BatchNorm's buffers change in each forward: that is state, not a mutation.
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()).double()
-    wrapped = remat.wrap(copy.deepcopy(net))
-    a, b = x(), x() * 2
-    expected = torch.autograd.grad((net(a) + net(b)).sum(), list(net.parameters()))
-    actual = torch.autograd.grad((wrapped(a) + wrapped(b)).sum(), list(wrapped.parameters()))
-    assert_close_all(actual, expected)
-
-
-class PowerIteration(nn.Module):
-    """A buffer updated in place by every forward, like spectral norm's ``weight_u``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.double))
-        self.register_buffer("u", torch.ones(4, dtype=torch.double))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            self.u.copy_(torch.nn.functional.normalize(self.w @ self.u, dim=0))
-        return (h @ self.w * self.u.clone()).tanh()
-
-
-@pytest.mark.parametrize("declared", [False, True], ids=["unregistered", "stateful"])
-def test_buffer_updated_by_a_second_forward(declared: bool) -> None:
-    # A small buffer the forward writes is state without registration: each
-    # recompute starts from what its own forward found (NOTE [ State the forward
-    # changes ] rule 1), so no cure is needed any more.
-    torch.manual_seed(0)
-    plain = PowerIteration()
-    stateful = copy.deepcopy(plain)
-    if declared:
-        stateful.remat_stateful = True
-    wrapped = remat.wrap(stateful)
-    a, b = x(), x() * 2
-    expected = torch.autograd.grad((plain(a) + plain(b)).sum(), plain.w)
-    actual = torch.autograd.grad((wrapped(a) + wrapped(b)).sum(), wrapped.w)
-    assert_close_all(actual, expected)
-    torch.testing.assert_close(wrapped.u, plain.u)  # updated once per real forward
-
-
-class KeepsLast(nn.Module):
-    """Stores a plain tensor on itself in forward (for logging or visualisation)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4).double()
-        self.last = torch.zeros(8, 4, dtype=torch.double)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        out = self.lin(h).tanh()
-        self.last = out.detach()
-        return out.sum()
-
-
-@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable"])
-def test_plain_attribute_stored_in_forward_survives_torch_func(policy: str) -> None:
-    module = remat.wrap(KeepsLast(), policy=policy)
-    params = dict(module.named_parameters())
-    torch.func.grad(lambda p: functional_call(module, p, (x(),)))(params)
-    with torch.no_grad():  # what the forward stored, not the zeros from before
-        torch.testing.assert_close(module.last, module.lin(x()).tanh())
-
-
 # -- which modules a region pins: the ones it runs (found by review) -----------------
-
-
-class Counter(nn.Module):
-    """Counts its calls in a buffer that the math does not read."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4).double()
-        self.register_buffer("calls", torch.zeros((), dtype=torch.double))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return self.lin(h).tanh()
-
-
-class PerLayer(nn.Module):
-    """A region for layer 0 only, made from a bound method of the whole model."""
-
-    def __init__(self, layers: nn.ModuleList, use_remat: bool) -> None:
-        super().__init__()
-        self.layers = layers
-        self.use_remat = use_remat
-
-    def layer(self, h: torch.Tensor, i: int) -> torch.Tensor:
-        return self.layers[i](h).tanh()
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        first = remat.remat(self.layer, static_argnums=(1,)) if self.use_remat else self.layer
-        return self.layer(first(h, 0), 1)
-
-
-def test_a_region_pins_only_the_modules_it_runs() -> None:
-    # Layer 0's region must not see layer 1's counter, which runs (and counts)
-    # outside it: only the modules a region runs are its business.
-    torch.manual_seed(0)
-    layers = nn.ModuleList([nn.Linear(4, 4).double(), Counter()])
-    plain, wrapped = PerLayer(copy.deepcopy(layers), False), PerLayer(layers, True)
-    expected = torch.autograd.grad(plain(x()).pow(2).sum(), list(plain.parameters()))
-    actual = torch.autograd.grad(wrapped(x()).pow(2).sum(), list(wrapped.parameters()))
-    assert_close_all(actual, expected)
-
-
-class Prev(nn.Module):
-    """Rebinds its own buffer in forward: the recompute must see the old one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4).double()
-        self.register_buffer("prev", torch.ones(4, dtype=torch.double))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        out = (self.lin(h) * self.prev).tanh()
-        self.prev = h.detach().mean(0)
-        return out
-
-
-@pytest.mark.parametrize("twice", [False, True])
-def test_forward_rebinding_its_own_buffer(twice: bool) -> None:
-    torch.manual_seed(0)
-    plain = Prev()
-    wrapped = remat.wrap(copy.deepcopy(plain))
-
-    def loss(module: nn.Module) -> torch.Tensor:
-        out = module(x()).sum()
-        return out + module(x() * 2).sum() if twice else out
-
-    expected = torch.autograd.grad(loss(plain), list(plain.parameters()))
-    actual = torch.autograd.grad(loss(wrapped), list(wrapped.parameters()))
-    assert_close_all(actual, expected)
-
-
-def _spectral(kind: str) -> nn.Module:
-    torch.manual_seed(0)
-    lin = nn.Linear(4, 4).double()
-    if kind == "hook":
-        lin = torch.nn.utils.spectral_norm(lin)
-    else:
-        lin = torch.nn.utils.parametrizations.spectral_norm(lin)
-    return nn.Sequential(nn.Linear(4, 4).double(), nn.Tanh(), lin)
-
-
-@pytest.mark.parametrize("kind", ["hook", "parametrization"])
-@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable"])
-@pytest.mark.parametrize("twice", [False, True])
-def test_spectral_norm_power_iteration_runs_once(kind: str, policy: str, twice: bool) -> None:
-    plain = _spectral(kind)
-    wrapped = remat.wrap(copy.deepcopy(plain), policy=policy)
-
-    def loss(module: nn.Module) -> torch.Tensor:
-        out = module(x()).pow(2).sum()
-        return out + module(x() * 2).pow(2).sum() if twice else out
-
-    expected = torch.autograd.grad(loss(plain), list(plain.parameters()))
-    actual = torch.autograd.grad(loss(wrapped), list(wrapped.parameters()))
-    assert_close_all(actual, expected)
-    for (name, a), (_, b) in zip(plain.named_buffers(), wrapped.named_buffers(), strict=True):
-        torch.testing.assert_close(b, a, msg=name)  # updated once per real forward
 
 
 @pytest.mark.parametrize("change", ["in_place", "data"])
 def test_torch_func_parameter_changed_before_the_backward_raises(change: str) -> None:
     net = mlp()
     region = remat.remat(lambda h: net(h).sum())
-    _, vjp_fn = vjp(region, x())
+    _, vjp_fn = vjp(region, batch84())
     weight = net[0].weight
     with torch.no_grad():
         if change == "in_place":
@@ -383,7 +221,7 @@ GLOBAL_WEIGHT = nn.Parameter(torch.randn(4, 4, dtype=torch.double))
 
 def test_a_parameter_read_through_a_global_and_saved_as_a_view() -> None:
     region = remat.remat(lambda h: (h @ GLOBAL_WEIGHT.t()).sin())
-    out = region(x().requires_grad_())
+    out = region(batch84().requires_grad_())
     with torch.no_grad():
         GLOBAL_WEIGHT.mul_(2)  # an optimizer step before backward
     try:
@@ -394,44 +232,35 @@ def test_a_parameter_read_through_a_global_and_saved_as_a_view() -> None:
             GLOBAL_WEIGHT.div_(2)
 
 
-class CallsForward(nn.Module):
+class _Scaled(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(4, 4).double()
-        self.bn = nn.BatchNorm1d(4).double()
+        self.lin = nn.Linear(5, 5).double()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 5, dtype=F64))
 
-    def part(self, h: torch.Tensor) -> torch.Tensor:
-        return self.bn.forward(self.lin(h)).tanh()  # .forward: no module hook fires
-
-
-def test_a_stateful_child_called_through_forward_updates_once() -> None:
-    module = CallsForward()
-    remat.remat(module.part)(x()).pow(2).sum().backward()
-    assert int(module.bn.num_batches_tracked) == 1
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(remat.checkpoint_name(self.lin(x), "h") * self.scale) @ self.lin.weight
 
 
-# torch warns that global hooks fire for the compiled wrapper too (harmless here).
-@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
-# Dynamo reads ``.grad`` of the tensors it wraps and hides that warning itself.
-@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
-def test_a_compiled_module_inside_a_region_compiles_once() -> None:
-    torch._dynamo.reset()
-    compiles = []
+@pytest.mark.parametrize("policy", TORCH_FUNC_POLICIES)
+def test_functional_call_with_swapped_buffers(policy: str) -> None:
+    torch.manual_seed(0)
+    (x,) = seeded_f64((4, 5))
+    plain = _Scaled()
+    wrapped = _Scaled()
+    wrapped.load_state_dict(plain.state_dict())
+    remat.wrap(wrapped, policy=policy)
+    params = {k: v.detach() for k, v in plain.named_parameters()}
+    buffers = {"scale": torch.linspace(-1.0, 2.0, 5, dtype=F64)}  # differs from the module's
 
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
-        compiles.append(gm)
-        return gm.forward
+    def loss(module: nn.Module) -> Callable[..., torch.Tensor]:
+        return lambda p, bufs, x: functional_call(module, (p, bufs), (x,)).pow(2).sum()
 
-    plain = nn.Sequential(nn.Linear(4, 4).double(), nn.Tanh())
-    inner = torch.compile(copy.deepcopy(plain), backend=backend)
-    region = remat.remat(lambda h: inner(h).sin())
-    h = x().requires_grad_()
-    (expected,) = torch.autograd.grad(plain(h).sin().sum(), h)
-    for _ in range(5):
-        (actual,) = torch.autograd.grad(region(h).sum(), h)
-        torch.testing.assert_close(actual, expected)
-    # The watching hook stays registered: a handle per call would change the
-    # global hook table torch.compile guards on, and recompile every call.
-    assert len(compiles) <= 2
-    # Under the region's saved-tensor hooks (never traced) it runs eagerly (docs/modules.md).
-    assert not compiles
+    tree_close(
+        grad(loss(plain), argnums=(0, 1))(params, buffers, x),
+        grad(loss(wrapped), argnums=(0, 1))(params, buffers, x),
+    )
+    tree_close(
+        jacrev(loss(plain), argnums=0)(params, buffers, x),
+        jacrev(loss(wrapped), argnums=0)(params, buffers, x),
+    )

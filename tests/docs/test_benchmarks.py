@@ -9,7 +9,7 @@ from types import ModuleType
 
 from helpers import load_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def load(name: str) -> ModuleType:

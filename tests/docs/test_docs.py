@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 SKIP = "<!-- skip -->"
 #: A fenced python block (possibly indented, as inside content tabs) and what precedes it.

@@ -8,7 +8,7 @@ from types import ModuleType
 import pytest
 from helpers import load_script
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 
 def load(name: str) -> ModuleType:

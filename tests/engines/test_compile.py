@@ -6,11 +6,20 @@ tested in ``test_lowering.py``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
-from helpers import assert_close_all, compile_inputs, grads, two_blocks
+from helpers import (
+    assert_close_all,
+    batch84,
+    compile_inputs,
+    grads,
+    two_blocks,
+)
+from torch import nn
 
 import remat
 
@@ -118,3 +127,30 @@ def test_torch_func_grad_compiled_with_a_region(backend: str) -> None:
                 compiled(w1)
         else:
             torch.testing.assert_close(compiled(w1), expected)
+
+
+# torch warns that global hooks fire for the compiled wrapper too (harmless here).
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+# Dynamo reads ``.grad`` of the tensors it wraps and hides that warning itself.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_a_compiled_module_inside_a_region_compiles_once() -> None:
+    torch._dynamo.reset()
+    compiles = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        compiles.append(gm)
+        return gm.forward
+
+    plain = nn.Sequential(nn.Linear(4, 4).double(), nn.Tanh())
+    inner = torch.compile(copy.deepcopy(plain), backend=backend)
+    region = remat.remat(lambda h: inner(h).sin())
+    h = batch84().requires_grad_()
+    (expected,) = torch.autograd.grad(plain(h).sin().sum(), h)
+    for _ in range(5):
+        (actual,) = torch.autograd.grad(region(h).sum(), h)
+        torch.testing.assert_close(actual, expected)
+    # The watching hook stays registered: a handle per call would change the
+    # global hook table torch.compile guards on, and recompile every call.
+    assert len(compiles) <= 2
+    # Under the region's saved-tensor hooks (never traced) it runs eagerly (docs/modules.md).
+    assert not compiles

@@ -7,9 +7,10 @@ import weakref
 
 import pytest
 import torch
+from helpers import POLICIES, PROGRAMS, Fn, OpCounter, assert_close_all, check_remat, grads, w44, x3
 
 import remat
-from tests.helpers import POLICIES, PROGRAMS, OpCounter, assert_close_all, grads
+from remat._state import local
 
 SOME_POLICIES = ["nothing-saveable", "dots-saveable", "save:hidden", "save-last"]
 
@@ -517,3 +518,127 @@ def test_python_numbers_that_change_before_the_recompute_raise() -> None:
     with pytest.raises(remat.NondeterministicRecomputeError, match=r"got the numbers \(1\.0,\) in "
                        r"the forward and \(2\.0,\) in the recompute"):
         out.backward()
+
+
+def _item_control_flow(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x @ w
+    scale = h.exp().sum().item()
+    if h.sum() > 0:
+        return (h * scale).sin()
+    return (h * scale).cos()
+
+
+def _no_grad_inside(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        s = (x @ w).abs().amax()
+    return ((x @ w) / s).sin()
+
+
+def _inplace_on_real_views(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = x.reshape(-1, 4) @ w
+    y[0].mul_(3)
+    y.t()[1].add_(1)
+    torch.ops.aten.alias(y).mul_(2)
+    y.as_strided((3, 4), (4, 1)).add_(1)
+    y.detach().mul_(2)
+    return y.sin()
+
+
+def _multi_output(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x @ w
+    v, _ = h.max(dim=-1)
+    v = remat.checkpoint_name(v, "v")
+    a, b = h.chunk(2, dim=-1)
+    m, s = torch.var_mean(h, dim=-1)
+    s = remat.checkpoint_name(s, "s")
+    return (v.sin() * m.cos() * s).unsqueeze(-1) + (a * b).tanh()
+
+
+def _names_on_odd_things(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    remat.checkpoint_name(x, "n")
+    remat.checkpoint_name(w, "n")
+    remat.checkpoint_name({"a": 3, "b": "s", "c": None}, "n")
+    v = remat.checkpoint_name(w.t(), "n")
+    h = remat.checkpoint_name((x @ v).sin(), "n")
+    return (h @ w).tanh()
+
+
+def _autocast_inside(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = (x @ w).relu()
+    return (h.float() @ w).sin()
+
+
+def _nested_three_deep(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    inner = remat.remat(lambda y: (y @ w).sin() @ w, policy="nothing-saveable")
+    mid = remat.remat(lambda y: inner(y.tanh() * 2).cos() @ w, policy="dots-saveable")
+    t = x.exp()  # read only by the nested regions
+    return mid(t).exp() @ w + (x @ w).sin()
+
+
+PROBES: dict[str, tuple[Fn, tuple[str, ...]]] = {
+    "item_control_flow": (_item_control_flow, ("nothing-saveable", "dots-saveable")),
+    "no_grad_inside": (_no_grad_inside, ("nothing-saveable", "dots-saveable")),
+    "inplace_on_real_views": (_inplace_on_real_views, ("dots-saveable", "save-last+dots-saveable")),
+    "multi_output": (
+        _multi_output,
+        ("save:v,s", "save:s", "save-except:v", "everything-except:s", "dots-saveable"),
+    ),
+    "names_on_odd_things": (
+        _names_on_odd_things,
+        ("save:n", "save-except:n", "everything-except:n", "offload:n"),
+    ),
+    "autocast_inside": (_autocast_inside, ("nothing-saveable", "dots-saveable", "save-last")),
+    "nested_three_deep": (
+        _nested_three_deep,
+        ("nothing-saveable", "dots-saveable", "save-last", "save-except:q", "everything-saveable"),
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("probe", "policy"), [(name, p) for name, (_, ps) in PROBES.items() for p in ps]
+)
+def test_probe_matches_reference(probe: str, policy: str) -> None:
+    fn, _ = PROBES[probe]
+    check_remat(fn, [x3(), w44()], policy)
+
+
+def test_exception_mid_recompute_leaves_clean_state() -> None:
+    boom = [True]
+
+    def flaky(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = (x @ w).sin()
+        if remat.is_recomputing() and boom[0]:
+            raise ValueError("boom")
+        return (h @ w).cos()
+
+    f = remat.remat(flaky, policy="dots-saveable")
+    x, w = x3(), w44()
+    with pytest.raises(ValueError, match="boom"):
+        f(x, w).sum().backward()
+    assert not local.frames and not local.recorders and local.recompute_depth == 0
+    boom[0] = False
+    w.grad = None
+    f(x, w).sum().backward()
+    assert w.grad is not None
+    (reference,) = torch.autograd.grad(flaky(x, w).sum(), w)
+    torch.testing.assert_close(w.grad, reference)
+
+
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable", "save:h", "save-last"])
+def test_except_exception_in_the_region_does_not_swallow_the_early_stop(policy: str) -> None:
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = remat.checkpoint_name(x @ w, "h")
+        try:
+            y = h.sin() * h.tanh()
+        except Exception:  # a user's fallback path
+            y = torch.sin(h).mul(torch.tanh(h))
+        return y
+
+    x = torch.randn(3, 3, dtype=torch.double, requires_grad=True)
+    w = torch.randn(3, 3, dtype=torch.double, requires_grad=True)
+    expected = torch.autograd.grad(f(x, w).sum(), (x, w))
+    actual = torch.autograd.grad(remat.remat(f, policy=policy)(x, w).sum(), (x, w))
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e)

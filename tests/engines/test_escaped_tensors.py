@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import OpCounter, assert_close_all
 from torch import nn
 from torch.func import functional_call
 
 import remat
-from tests.helpers import OpCounter, assert_close_all
 
 POLICIES = ("nothing-saveable", "dots-saveable", "save-last", "save:hidden")
 

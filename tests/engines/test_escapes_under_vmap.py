@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import OpCounter, assert_close_all
 from torch import nn
 from torch.func import functional_call, grad, hessian, jacfwd, jacrev, vmap
 
 import remat
-from tests.helpers import OpCounter, assert_close_all
 
 POLICIES = ("nothing-saveable", "dots-saveable", "save-last", "save:hidden")
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import OpCounter
 
 import remat
-from tests.helpers import OpCounter
 
 POLICIES = ("nothing-saveable", "dots-saveable", "save:hidden", "everything-except:hidden")
 Wrap = Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import OpCounter
 
 import remat
 from tests.conftest import Engine
-from tests.helpers import OpCounter
 
 two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
 TwoTensor = two_tensor.TwoTensor

@@ -16,10 +16,14 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import (
+    OpCounter,
+    tree_close,
+)
 from torch import nn
+from torch.func import grad
 
 import remat
-from tests.helpers import OpCounter
 
 POLICIES = ("nothing-saveable", "dots-saveable", "save-last", "save:hidden",
             "everything-except:hidden")
@@ -232,3 +236,17 @@ def test_sequential_segments_with_a_closed_over_weight_into_the_transform_are_lo
         for _ in range(4):
             y = region(y, w)
         _assert_close(torch.autograd.grad((y**2).sum(), (pos, w)), expected)
+
+
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable", "save:h", "save-last"])
+def test_region_that_runs_torch_func_grad_inside_under_grad(policy: str) -> None:
+    # An inner torch.func.grad (a score) inside a region differentiated by an outer grad.
+    w = torch.randn(4, 4, dtype=torch.float64)
+    x = torch.randn(3, 4, dtype=torch.float64)
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = remat.checkpoint_name(torch.tanh(x @ w), "h")
+        g = grad(lambda v: (v @ w).sin().sum())(h)
+        return (g * h).sum()
+
+    tree_close(grad(remat.remat(f, policy=policy), argnums=1)(x, w), grad(f, argnums=1)(x, w))

@@ -8,7 +8,21 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import OpCounter, assert_close_all, grads, stack
+from helpers import (
+    TORCH_FUNC_POLICIES,
+    Fn,
+    OpCounter,
+    assert_close_all,
+    grads,
+    named_block,
+    remat_offloading,
+    seeded_f64,
+    stack,
+    tree_close,
+    w44,
+    x3,
+)
+from torch.func import vjp
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -581,3 +595,116 @@ def test_outputs_nothing_reads_are_not_copied_to_the_host() -> None:
     assert [verb for verb, _ in store.log] == []
     got = torch.autograd.grad(out.sum(), (x, w))
     assert_close_all(got, torch.autograd.grad(f(x, w).sum(), (x, w)))
+
+
+def _three_matmuls(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    a = (x @ w).sin()
+    b = (a @ w).cos()
+    return a, (b @ w).tanh()
+
+
+@pytest.mark.parametrize("policy", ["offload-dots", "dots-saveable", "save-last+offload-dots"])
+def test_partial_backward_then_rest_with_offload(policy: str) -> None:
+    def run(f: Fn) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(2)
+        x, w = x3(), w44()
+        a, c = f(x, w)
+        (g1,) = torch.autograd.grad(a.sum(), w, retain_graph=True)
+        (g2,) = torch.autograd.grad(c.sum(), w)
+        return g1, g2
+
+    store = FakeHostStore(min_bytes=0)
+    actual = run(remat.remat(_three_matmuls, policy=policy, offload_store=store))
+    for got, want in zip(actual, run(_three_matmuls), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def _written_after_offload(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = x @ w
+    _unused = a.cos()  # saves a; its result is not used
+    a[0].mul_(2)  # a legal write through a view
+    return (a * a).sum()  # saves a again, after the write
+
+
+def _recompute_writes_the_fetched_value(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = x @ w
+    b = a.sin()  # saves a before the write (plain autograd would raise in backward)
+    a.mul_(2)
+    return (b + a.exp()).sum()
+
+
+def _without_the_write(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = x @ w
+    return (a.sin() + (a * 2).exp()).sum()
+
+
+@pytest.mark.parametrize(
+    ("fn", "reference"),
+    [
+        (_written_after_offload, _written_after_offload),
+        (_recompute_writes_the_fetched_value, _without_the_write),
+    ],
+)
+@pytest.mark.parametrize("policy", ["offload-dots", "offload-dots+save-last"])
+def test_offloaded_value_written_in_place(
+    fn: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor], policy: str
+) -> None:
+    x = torch.randn(3, 3, dtype=torch.double, requires_grad=True)
+    w = torch.randn(3, 3, dtype=torch.double, requires_grad=True)
+    expected = torch.autograd.grad(reference(x, w), (x, w))
+    store = FakeHostStore()
+    with use_host_store(store):
+        out = remat.remat(fn, policy=policy)(x, w)
+        remat.remat(torch.sin, policy=policy)(x)  # demotes a save-last region
+    actual = torch.autograd.grad(out, (x, w))
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e)
+    assert store.calls("put"), "nothing was offloaded: the test tests nothing"
+
+
+def _written_before_the_first_save(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = remat.checkpoint_name(x @ w, "a")
+    a[:, :2].mul_(3)  # a write through a view before anything saves a
+    return (a.sin() * a.exp()).sum()
+
+
+def _written_saved_written(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = remat.checkpoint_name(x @ w, "a")
+    a[0].mul_(2)
+    _unused = a.cos()
+    a[1].mul_(3)
+    return (a * a.sin()).sum()
+
+
+@pytest.mark.parametrize("fn", [_written_before_the_first_save, _written_saved_written])
+@pytest.mark.parametrize("policy", ["offload:a", "offload-dots", "save-last+offload:a"])
+def test_offload_of_a_value_written_before_it_is_saved(
+    fn: Callable[..., torch.Tensor], policy: str
+) -> None:
+    # Found by review: the copy was taken after the write and replayed as the
+    # op's raw output, so the recompute applied the write twice.
+    x = torch.randn(3, 3, dtype=torch.double, requires_grad=True)
+    w = torch.randn(3, 3, dtype=torch.double, requires_grad=True)
+    expected = torch.autograd.grad(fn(x, w), (x, w))
+    with use_host_store(FakeHostStore()):
+        out = remat.remat(fn, policy=policy)(x, w)
+        remat.remat(torch.sin, policy=policy)(x)  # demotes a save-last region
+    actual = torch.autograd.grad(out, (x, w))
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("policy", TORCH_FUNC_POLICIES)
+def test_vjp_fns_interleaved_with_other_regions_sharing_a_store(policy: str) -> None:
+    x, w = seeded_f64((4, 5), (5, 5))
+
+    def program(f1: Callable[..., Any], f2: Callable[..., Any]) -> Any:
+        o1, fn1 = vjp(f1, x, w)
+        o2, fn2 = vjp(f2, o1.detach() * 1.5, w)
+        g2 = fn2(torch.ones_like(o2))
+        g1 = fn1(torch.ones_like(o1))
+        return g1, g2, fn2(2 * torch.ones_like(o2)), fn1(3 * torch.ones_like(o1))
+
+    store = FakeHostStore(min_bytes=0)
+    first, second = (remat_offloading(named_block, policy, store) for _ in range(2))
+    tree_close(program(named_block, named_block), program(first, second))

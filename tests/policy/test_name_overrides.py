@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from helpers import OpCounter
 
 import remat
 from remat import policies as P
 from tests.conftest import Engine
-from tests.helpers import OpCounter
 
 Producer = Callable[[torch.Tensor], torch.Tensor]
 PRODUCERS: dict[str, Producer] = {"exp": torch.exp, "tanh": torch.tanh, "sigmoid": torch.sigmoid}

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import OpCounter
 from torch import nn
 
 import remat
 from remat import policies as P
-from tests.helpers import OpCounter
 
 
 def _f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

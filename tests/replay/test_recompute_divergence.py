@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import OpCounter
 
 import remat
 from tests.conftest import Engine
-from tests.helpers import OpCounter
 
 POLICIES = ("nothing-saveable", "dots-saveable", "save-last", "save:hidden", "offload-dots")
 
