@@ -38,6 +38,12 @@ POLICIES = (
     "offload-dots",
 )
 
+#: The four ways a policy decides: recompute all, keep by op, keep the last region,
+#: keep by name (programs name their value ``"hidden"``).
+CORE_POLICIES = ("nothing-saveable", "dots-saveable", "save-last", "save:hidden")
+#: The core ones, a name recomputed while the rest is kept, and offload.
+WIDE_POLICIES = (*CORE_POLICIES, "everything-except:hidden", "offload-dots")
+
 
 class OpCounter(TorchDispatchMode):
     """Count aten ops by short name (``mm``, ``gelu``, ...) while active."""
@@ -49,6 +55,88 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.counts[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
+
+
+#: aten ops (by short name) that multiply matrices without batch dimensions: what
+#: ``dots-no-batch-saveable`` keeps (the table `tests/policy/test_ops.py` checks).
+NO_BATCH_DOTS = frozenset({"mm", "addmm", "_addmm_activation", "mv", "addmv", "dot", "vdot"})
+#: Every dot: the no-batch ones, batched matmuls, convolutions, fused attention.
+DOTS = NO_BATCH_DOTS | {
+    "bmm", "baddbmm", "addbmm", "convolution", "_convolution", "mkldnn_convolution",
+    "_slow_conv2d_forward", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+}
+
+
+_NO_COMPUTE = frozenset(
+    {torch.ops.aten.detach, torch.ops.aten.empty, torch.ops.aten.empty_strided}
+)
+
+
+class RecomputeCounter(TorchDispatchMode):
+    """Count the compute ops run while a region is recomputed.
+
+    Enter it around a forward and its backward: only ops run under
+    `remat.is_recomputing()` count, so a remat that recomputes nothing counts 0.
+    Views, detaches and bare allocations compute nothing and are not counted (the
+    eager replay allocates a stand-in, ``empty_strided``, for a value it replays).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        import remat
+
+        if remat.is_recomputing() and not (func.is_view or func.overloadpacket in _NO_COMPUTE):
+            self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def dots(self, names: frozenset[str] = DOTS) -> int:
+        return sum(n for op, n in self.counts.items() if op in names)
+
+
+def assert_recomputed(
+    policy: str,
+    counts: collections.Counter[str],
+    everything: Callable[[], collections.Counter[str]],
+    *,
+    last: bool = True,
+) -> None:
+    """Assert that what a single region recomputed in backward is what ``policy`` implies.
+
+    ``counts``: the region's recomputed ops (`RecomputeCounter`); ``everything``: the
+    same run's counts under ``nothing-saveable`` (called only for the policies that
+    are claimed relative to it). ``last``: whether the region ran last (a ``save-last``
+    region then keeps everything; otherwise it is demoted to its base policy).
+    """
+    total, dots = sum(counts.values()), sum(n for op, n in counts.items() if op in DOTS)
+    if policy.startswith("save-last"):
+        if last:
+            assert total == 0, f"{policy}: the last region keeps everything, reran {counts}"
+            return
+        policy = policy.removeprefix("save-last").removeprefix("+") or "nothing-saveable"
+    if policy == "everything-saveable":
+        assert total == 0, f"{policy} reran {counts}"
+    elif policy in ("nothing-saveable", "save-except:hidden"):
+        # save-except:hidden saves only the names other than hidden: there are none.
+        assert total > 0, f"{policy} reran nothing"
+        if policy != "nothing-saveable":
+            assert counts == everything(), f"{policy} reran {counts}"
+    elif policy in ("dots-saveable", "offload-dots"):
+        assert total > 0 and dots == 0, f"{policy} reran {counts}"
+    elif policy == "dots-no-batch-saveable":
+        no_batch = sum(n for op, n in counts.items() if op in NO_BATCH_DOTS)
+        assert total > 0 and no_batch == 0, f"{policy} reran {counts}"
+    elif policy == "save:hidden":
+        full = sum(everything().values())
+        assert 0 < total < full, f"{policy} reran {total} ops of {full}: {counts}"
+    elif policy == "everything-except:hidden":
+        full = sum(everything().values())
+        assert dots == 0 and total < full, f"{policy} reran {total} ops of {full}: {counts}"
+    else:
+        raise AssertionError(f"no recompute claim for {policy!r}: add one here")
 
 
 def grads(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], seed: int = 0,
@@ -63,6 +151,22 @@ def assert_close_all(actual: Sequence[torch.Tensor], expected: Sequence[torch.Te
     assert len(actual) == len(expected)
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def assert_close_or_unused(
+    actual: Sequence[torch.Tensor | None], expected: Sequence[torch.Tensor | None]
+) -> None:
+    """`assert_close_all` where ``expected`` has None for an input the program does not use.
+
+    There ``actual`` may be None or zeros (an engine may return either for an unused input).
+    """
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        if e is None:
+            assert a is None or not torch.any(a)  # an unused input
+        else:
+            assert a is not None
+            torch.testing.assert_close(a, e)
 
 
 # -- example programs: (fn, make_inputs) -------------------------------------

@@ -13,10 +13,9 @@ from typing import Any
 import optree
 import pytest
 import torch
+from helpers import CORE_POLICIES
 
 import remat
-
-POLICIES = ("nothing-saveable", "dots-saveable", "save-last", "save:hidden")
 
 
 class Config:
@@ -56,7 +55,7 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     )
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 @pytest.mark.parametrize("kind", ["object", "dataclass"])
 def test_tensors_in_argument_objects(engine: Any, kind: str, policy: str) -> None:
     fn, box = (from_object, Config) if kind == "object" else (from_dataclass, Params)

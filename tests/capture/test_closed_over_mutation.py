@@ -14,18 +14,18 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import CORE_POLICIES
 from torch import nn
 
 import remat
 from remat import SavedInputMutatedError
 
 D = torch.float64
-POLICIES = ["nothing-saveable", "dots-saveable", "save-last", "save:h"]
 SCALE = torch.linspace(0.5, 1.5, 4, dtype=D)
 
 
 def _math(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    h = remat.checkpoint_name(torch.tanh(x @ w), "h")
+    h = remat.checkpoint_name(torch.tanh(x @ w), "hidden")
     return (h * scale).sin().sum()
 
 
@@ -86,7 +86,7 @@ def _forward_then_backward(
 
 
 @pytest.mark.parametrize("kind", ["global", "closure", "list", "attribute", "buffer"])
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_modified_before_backward_raises(engine: Any, policy: str, kind: str) -> None:
     scale = torch.linspace(0.5, 1.5, 4, dtype=D)
     plain, name = _place(kind, scale)
@@ -117,7 +117,7 @@ def test_modified_before_backward_raises(engine: Any, policy: str, kind: str) ->
     assert torch.equal(target, torch.linspace(0.5, 1.5, 4, dtype=D) * 10)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_plain_autograd_raises_too(policy: str) -> None:
     # The behaviour remat matches: autograd's own check on what it saved.
     scale = torch.linspace(0.5, 1.5, 4, dtype=D)
@@ -130,7 +130,7 @@ def test_plain_autograd_raises_too(policy: str) -> None:
         out.backward()
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_an_entry_no_op_reads_changes_freely(engine: Any, policy: str) -> None:
     # Plain autograd checks only what it saved: another entry of a closed-over dict
     # (optimizer state, a cache) may change between forward and backward.

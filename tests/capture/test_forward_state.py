@@ -20,13 +20,11 @@ from typing import Any
 import pytest
 import torch
 from conftest import Engine
-from helpers import OpCounter, assert_close_all
+from helpers import CORE_POLICIES, OpCounter, assert_close_all
 from torch import nn
 from torch.func import functional_call
 
 import remat
-
-POLICIES = ["nothing-saveable", "dots-saveable", "save-last", "save:hidden"]
 
 
 def _x() -> torch.Tensor:
@@ -123,7 +121,7 @@ def _seen(engine: Engine) -> Case:
     return Case(engine, Seen(), "seen")
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_a_buffer_the_forward_writes_counts_once(engine: Engine, policy: str) -> None:
     plain, case = _seen(engine), _seen(engine)
     expected = plain.step(None)
@@ -149,7 +147,7 @@ class Counts(nn.Module):
 
 
 @pytest.mark.parametrize("how", ["closure", "wrap"])
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_a_closed_over_module_counting_in_a_buffer(how: str, policy: str) -> None:
     torch.manual_seed(0)
     plain = Counts()
@@ -180,7 +178,7 @@ class Big(nn.Module):
         return (remat.checkpoint_name(h * self.acc[:3], "hidden")).tanh()
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_a_large_buffer_the_forward_writes_raises_and_stateful_fixes(
     engine: Engine, policy: str
 ) -> None:
@@ -219,7 +217,7 @@ def _decay(engine: Engine) -> Case:
     return Case(engine, Decay(), "w")
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_a_parameter_decayed_in_forward_raises_and_stateful_fixes(
     engine: Engine, policy: str
 ) -> None:
@@ -239,7 +237,7 @@ def test_a_parameter_decayed_in_forward_raises_and_stateful_fixes(
     _check_recomputed(engine, fixed.fn, policy, fixed.make_inputs)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_a_module_parameter_decayed_in_forward_eager(policy: str) -> None:
     torch.manual_seed(0)
     plain = Decay()
@@ -272,9 +270,9 @@ def _inner_backward(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 @pytest.mark.parametrize("start", ["empty", "accumulated"])
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_a_backward_inside_the_region_accumulates_once(
-    engine: Engine, policy: str, start: str
+    engine: Engine, policy: str, start: str, request: pytest.FixtureRequest
 ) -> None:
     def leaf() -> torch.Tensor:
         w = torch.linspace(0.5, 1.5, 3, dtype=torch.double).requires_grad_()
@@ -284,8 +282,14 @@ def test_a_backward_inside_the_region_accumulates_once(
 
     if engine.name == "functional":
         # torch.func refuses .backward() inside a transform, with or without remat.
+        if policy == "nothing-saveable":
+            request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+                "bug: in a nothing-saveable region under the torch.func engine the "
+                ".backward() inside fails with torch's 'element 0 of tensors does not "
+                "require grad' instead of torch.func's own refusal (or a RematError)"
+            )))
         for p in (None, policy):
-            with pytest.raises(RuntimeError):
+            with pytest.raises(RuntimeError, match=r"backward\(\) called inside a functorch"):
                 _step(engine, _inner_backward(leaf()), p, _x())
         return
     w_plain = leaf()
@@ -324,7 +328,7 @@ def test_a_backward_into_module_parameters_inside_a_wrapped_module() -> None:
 # -- closed-over Python counters ------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_a_nonlocal_counter_counts_once(engine: Engine, policy: str) -> None:
     def counted() -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[], int]]:
         count = 0
@@ -371,7 +375,7 @@ def _drawing(gen: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
     return fn
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_an_explicit_generator_draws_once(engine: Engine, policy: str) -> None:
     plain_gen = torch.Generator().manual_seed(7)
     expected, _ = _step(engine, _drawing(plain_gen), None, _x())

@@ -17,11 +17,9 @@ from typing import Any
 import optree
 import pytest
 import torch
-from helpers import OpCounter
+from helpers import CORE_POLICIES, OpCounter
 
 import remat
-
-POLICIES = ("nothing-saveable", "dots-saveable", "save-last", "save:hidden")
 
 
 def _body(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +118,7 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 @pytest.mark.parametrize("kind", list(WRAPS))
 def test_container_outputs_match_reference(engine: Any, kind: str, policy: str) -> None:
     block = _region(WRAPS[kind])

@@ -12,16 +12,16 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import CORE_POLICIES
 from torch import nn
 
 import remat
 
 D = torch.float64
-POLICIES = ["nothing-saveable", "dots-saveable", "save-last", "save:h"]
 
 
 def _body(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    h = remat.checkpoint_name(torch.tanh(x @ w), "h")
+    h = remat.checkpoint_name(torch.tanh(x @ w), "hidden")
     return (h @ w).sin().sum()
 
 
@@ -34,7 +34,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return torch.autograd.grad(_body(*leaves), leaves)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_static_list_argument(engine: Any, policy: str) -> None:
     def f(x: torch.Tensor, w: torch.Tensor, log: list[str]) -> torch.Tensor:
         if not remat.is_recomputing():  # as the docs recommend
@@ -49,7 +49,7 @@ def test_static_list_argument(engine: Any, policy: str) -> None:
     torch.testing.assert_close(got, _reference(x, w))
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_dict_argument_holding_tensors(engine: Any, policy: str) -> None:
     # The dict is an argument whose tensor is an input: it must still be the user's dict.
     def f(x: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
@@ -74,7 +74,7 @@ def test_dict_argument_holding_tensors(engine: Any, policy: str) -> None:
     torch.testing.assert_close(got, _reference(x, w))
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_keyword_list_argument(engine: Any, policy: str) -> None:
     def f(x: torch.Tensor, *, ws: list[torch.Tensor]) -> torch.Tensor:
         out = _body(x, ws[0])
@@ -97,7 +97,7 @@ def test_keyword_list_argument(engine: Any, policy: str) -> None:
     torch.testing.assert_close(got, _reference(x, w))
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_closed_over_dict_and_list(engine: Any, policy: str) -> None:
     x, w = _inputs()
 
@@ -142,11 +142,11 @@ class Recorder(nn.Module):
             self.history.append(tuple(x.shape))
             self.calls += 1
             self.extra["seen"] = True
-        h = remat.checkpoint_name(torch.tanh(self.lin(x)), "h")
+        h = remat.checkpoint_name(torch.tanh(self.lin(x)), "hidden")
         return (h * self.extra["scale"]).pow(2).sum()
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_module_attributes(engine: Any, policy: str) -> None:
     torch.manual_seed(0)
     plain, module = Recorder(), Recorder()

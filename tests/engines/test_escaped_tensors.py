@@ -16,13 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import OpCounter, assert_close_all
+from helpers import CORE_POLICIES, OpCounter, assert_close_all
 from torch import nn
 from torch.func import functional_call
 
 import remat
-
-POLICIES = ("nothing-saveable", "dots-saveable", "save-last", "save:hidden")
 
 #: What a global-list region appends to (cleared by each loss).
 CAPTURED: list[torch.Tensor] = []
@@ -91,7 +89,7 @@ def module_loss(model: Block, store: list[torch.Tensor]) -> Callable[..., torch.
 # -- a global list, both engines, several policies ----------------------------------------
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_global_list_gets_its_gradient(engine: Any, policy: str) -> None:
     x, w = inputs()
     expected = engine.grads(global_loss(to_global), x, w)
@@ -116,7 +114,7 @@ def test_escape_costs_no_extra_recompute() -> None:
 # -- hooks and attributes on modules, through functional_call -------------------------------
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 @pytest.mark.parametrize("kind", ["hook", "attribute"])
 def test_module_escapes_under_functional_call(policy: str, kind: str) -> None:
     torch.manual_seed(0)
@@ -131,7 +129,7 @@ def test_module_escapes_under_functional_call(policy: str, kind: str) -> None:
     assert_close_all(list(actual.values()), list(expected.values()))
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 @pytest.mark.parametrize("kind", ["hook", "attribute"])
 def test_module_escapes_eager_backward(engine: Any, kind: str, policy: str) -> None:
     torch.manual_seed(0)
@@ -154,7 +152,7 @@ def test_module_escapes_eager_backward(engine: Any, kind: str, policy: str) -> N
 # -- every transform --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_escape_under_vjp_jacrev_jacfwd_vmap(policy: str) -> None:
     x, w = inputs()
     loss, region_loss = global_loss(to_global), global_loss(remat.remat(to_global, policy=policy))
@@ -172,7 +170,7 @@ def test_escape_under_vjp_jacrev_jacfwd_vmap(policy: str) -> None:
     assert_close_all(batched(xs, w), reference(xs, w))
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_escape_under_second_order_and_eager_backward_of_forced_engine(policy: str) -> None:
     x, w = inputs()
     loss, region_loss = global_loss(to_global), global_loss(remat.remat(to_global, policy=policy))
@@ -211,7 +209,7 @@ def view_kept(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (g * h).sin()
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 @pytest.mark.parametrize("fn", [returned_too, view_returned, view_kept])
 def test_escapes_that_alias_outputs_or_each_other(policy: str, fn: Callable[..., Any]) -> None:
     x, w = inputs()
@@ -245,7 +243,7 @@ class Logs(Block):
         return self.out(h).sin()
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_detached_and_integer_escapes_stay_as_they_are(policy: str) -> None:
     torch.manual_seed(0)
     plain = Logs()

@@ -17,13 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import OpCounter, assert_close_all
+from helpers import CORE_POLICIES, OpCounter, assert_close_all
 from torch import nn
 from torch.func import functional_call, grad, hessian, jacfwd, jacrev, vmap
 
 import remat
 
-POLICIES = ("nothing-saveable", "dots-saveable", "save-last", "save:hidden")
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: What the regions below append to (cleared by each loss).
@@ -117,7 +116,7 @@ COMPOSITIONS: dict[str, Callable[[Loss, torch.Tensor, torch.Tensor, torch.Tensor
 }
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 @pytest.mark.parametrize("composition", list(COMPOSITIONS))
 @pytest.mark.parametrize("name", list(FUNCTIONS))
 def test_escape_under_vmap_compositions(name: str, composition: str, policy: str) -> None:
@@ -129,7 +128,7 @@ def test_escape_under_vmap_compositions(name: str, composition: str, policy: str
     assert_close_all(actual, expected)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_two_calls_with_escapes_under_vmap(policy: str) -> None:
     # Two calls of one region: each call's escapes go to its own place in the list.
     xs, w, ws = inputs()
@@ -181,7 +180,7 @@ def _module_loss(model: nn.Module, store: list[torch.Tensor]) -> Callable[..., t
     return loss
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_hooked_module_per_example_gradients(policy: str) -> None:
     torch.manual_seed(0)
     store: list[torch.Tensor] = []

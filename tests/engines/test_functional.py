@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -11,13 +12,12 @@ import hypothesis.strategies as st
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import POLICIES, OpCounter
+from helpers import POLICIES, OpCounter, RecomputeCounter, assert_recomputed
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 import remat
+from remat._inspect.memory import MemoryMeter
 
 Params = dict[str, torch.Tensor]
 
@@ -55,7 +55,9 @@ def _randn(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, dtype=torch.float64)
 
 
-PROGRAMS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[[], tuple[Any, Params]]]] = {
+#: Programs over a params dict and a config pytree, returning a dict (see `helpers.PROGRAMS`).
+PytreeProgram = tuple[Callable[..., dict[str, Any]], Callable[[], tuple[Any, Params]]]
+PYTREE_PROGRAMS: dict[str, PytreeProgram] = {
     "mlp": (mlp, lambda: (_randn(3, 4), {"w1": _randn(4, 5), "b1": _randn(5), "w2": _randn(5, 4)})),
     "attention_bmm": (attention_bmm, lambda: (_randn(3, 4), {"wqkv": _randn(4, 12)})),
     "attention_sdpa": (attention_sdpa, lambda: (_randn(3, 4), {"wqkv": _randn(4, 12)})),
@@ -139,41 +141,60 @@ _CORE = (
 )
 _MATRIX = [
     (pol, prog)
-    for prog in sorted(PROGRAMS)
+    for prog in sorted(PYTREE_PROGRAMS)
     for pol in (POLICIES if prog in ("mlp", "attention_bmm") else _CORE)
 ]
+
+
+#: No derivative is taken under ``vmap`` alone: nothing is ever recomputed.
+_NO_DERIVATIVE = ("vmap",)
+#: Under a forward-mode level the region is recomputed in full (NOTE rule 3 of
+#: ``_engines/functional.py``); that claim is ``test_forward_mode.py``'s.
+_FORWARD_MODE = ("jvp", "jacfwd", "hessian")
+
+
+@functools.cache
+def _recomputed(program: str, policy: str, transform: str) -> collections.Counter[str]:
+    """The ops ``transform`` of one ``program`` call reruns under ``policy``."""
+    fn, make = PYTREE_PROGRAMS[program]
+    x, p = make()
+    with RecomputeCounter() as counter:
+        TRANSFORMS[transform](_y(remat.remat(fn, policy=policy)), x, p)
+    return counter.counts
 
 
 @pytest.mark.parametrize(("policy", "program"), _MATRIX)
 @pytest.mark.parametrize("transform", sorted(TRANSFORMS))
 def test_matrix(policy: str, program: str, transform: str) -> None:
-    fn, make = PROGRAMS[program]
+    fn, make = PYTREE_PROGRAMS[program]
     x, p = make()
     run = TRANSFORMS[transform]
     expected = run(_y(fn), x, p)
-    actual = run(_y(remat.remat(fn, policy=policy)), x, p)
+    with RecomputeCounter() as counter:
+        actual = run(_y(remat.remat(fn, policy=policy)), x, p)
     _compare(actual, expected)
+    # ...and the policy was obeyed: a remat that recomputed nothing would pass the above.
+    if transform in _NO_DERIVATIVE:
+        assert not counter.counts, f"{transform} takes no derivative, yet reran {counter.counts}"
+    elif transform not in _FORWARD_MODE:
+        assert_recomputed(
+            policy,
+            counter.counts,
+            lambda: _recomputed(program, "nothing-saveable", transform),
+            last=transform != "has_aux",  # has_aux calls the region again for the aux
+        )
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("transform", ["grad", "vmap_grad", "hessian", "jvp"])
 def test_nested_remat(policy: str, transform: str) -> None:
-    fn, make = PROGRAMS["mlp"]
+    fn, make = PYTREE_PROGRAMS["mlp"]
     x, p = make()
     run = TRANSFORMS[transform]
     _compare(run(_y(_nested(fn, policy)), x, p), run(_y(_plain_twice(fn)), x, p))
 
 
 # -- what is recomputed ------------------------------------------------------------------------
-
-
-class _RecomputeCounter(OpCounter):
-    """Count ops only while a region is being recomputed."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if remat.is_recomputing():
-            self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _stack_loss(policy: str | None, depth: int = 4) -> Callable[..., torch.Tensor]:
@@ -205,7 +226,7 @@ def _stack_params(depth: int, width: int) -> list[Params]:
 )
 def test_dots_saveable_reruns_no_matmul_under_grad(policy: str, rerun_mm: int) -> None:
     params, x = _stack_params(4, 8), torch.randn(6, 8)
-    counter = _RecomputeCounter()
+    counter = RecomputeCounter()
     with counter:
         actual = grad(_stack_loss(policy))(params, x)
     _compare(actual, grad(_stack_loss(None))(params, x))
@@ -214,9 +235,9 @@ def test_dots_saveable_reruns_no_matmul_under_grad(policy: str, rerun_mm: int) -
 
 
 def test_higher_order_replays_saved_dots() -> None:
-    fn, make = PROGRAMS["mlp"]
+    fn, make = PYTREE_PROGRAMS["mlp"]
     x, p = make()
-    counter = _RecomputeCounter()
+    counter = RecomputeCounter()
     with counter:
         TRANSFORMS["grad_grad"](_y(remat.remat(fn, policy="dots-saveable")), x, p)
     assert counter.counts["mm"] == 0 and counter.counts["tanh"] > 0
@@ -225,29 +246,9 @@ def test_higher_order_replays_saved_dots() -> None:
 # -- memory ------------------------------------------------------------------------------------
 
 
-class StorageMeter(TorchDispatchMode):
-    """Peak bytes of live tensor storages created while active (views counted once)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                self.live.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
-        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-            del self.live[key]
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-        return out
-
-
 def _peak(fn: Callable[[], Any]) -> int:
-    meter = StorageMeter()
-    with meter:
+    """Peak bytes of the tensors ``fn`` creates (the inputs and parameters excluded)."""
+    with MemoryMeter() as meter:
         fn()
     return meter.peak
 
@@ -286,7 +287,7 @@ def test_dropout_under_vmap_replays_masks(randomness: str, policy: str) -> None:
 
 
 def test_eager_backward_through_vmap() -> None:
-    fn, make = PROGRAMS["attention_bmm"]
+    fn, make = PYTREE_PROGRAMS["attention_bmm"]
     x, p = make()
     xs = torch.stack([x, x.sin()]).requires_grad_()
     w = p["wqkv"].requires_grad_()
@@ -299,7 +300,7 @@ def test_eager_backward_through_vmap() -> None:
 
 
 def test_eager_create_graph_through_grad() -> None:
-    fn, make = PROGRAMS["mlp"]
+    fn, make = PYTREE_PROGRAMS["mlp"]
     x, p = make()
     p = {k: v.requires_grad_() for k, v in p.items()}
 

@@ -20,7 +20,10 @@ from helpers import OpCounter
 
 import remat
 
-POLICIES = ("nothing-saveable", "dots-saveable", "save:hidden", "everything-except:hidden")
+#: Regions that run torch.autograd.grad inside: by op, by name, either way round.
+GRAD_INSIDE_POLICIES = (
+    "nothing-saveable", "dots-saveable", "save:hidden", "everything-except:hidden"
+)
 Wrap = Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]
 
 
@@ -86,7 +89,7 @@ def _engine(how: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("allow_unused", [False, True])
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", GRAD_INSIDE_POLICIES)
 @pytest.mark.parametrize("how", HOW)
 def test_grad_with_respect_to_outside_tensor_raises(how: str, policy: str,
                                                     allow_unused: bool) -> None:
@@ -108,7 +111,7 @@ def test_grad_with_respect_to_outside_tensor_raises(how: str, policy: str,
     _assert_close(_run(how, outer, fix, allow_unused=allow_unused), expected)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", GRAD_INSIDE_POLICIES)
 def test_second_fix_under_eager_backward(policy: str) -> None:
     """The other fix the message gives, for loss.backward() with engine='eager'."""
     torch.manual_seed(0)
@@ -167,7 +170,7 @@ def mixed(x0: torch.Tensor, w: torch.Tensor, wrap: Wrap) -> torch.Tensor:
     return wrap(block)(p, w)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", GRAD_INSIDE_POLICIES)
 @pytest.mark.parametrize("how", HOW)
 def test_path_partly_outside_raises(how: str, policy: str) -> None:
     """The recompute would find only the direct path: a different, silent gradient."""

@@ -11,22 +11,22 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import CORE_POLICIES
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import remat
 
 D = torch.float64
-POLICIES = ["nothing-saveable", "dots-saveable", "save-last", "save:h"]
 G = torch.randn(4, 4, dtype=D)
 
 
 def _body(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    h = remat.checkpoint_name(torch.tanh(x @ w), "h")
+    h = remat.checkpoint_name(torch.tanh(x @ w), "hidden")
     return (h @ w).sin().sum()
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_slots_hold_the_users_tensors_while_fn_runs(policy: str) -> None:
     # Deterministic form of the threads test: what another thread would read.
     global G
@@ -71,7 +71,7 @@ def test_slots_hold_the_users_tensors_while_fn_runs(policy: str) -> None:
     torch.testing.assert_close(got, expected)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_nested_regions_closing_over_the_same_tensor(policy: str) -> None:
     x = torch.randn(3, 4, dtype=D)
 
@@ -95,7 +95,7 @@ def test_nested_regions_closing_over_the_same_tensor(policy: str) -> None:
     )
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_returning_a_closed_over_tensor(policy: str) -> None:
     x = torch.randn(3, 4, dtype=D)
 
@@ -110,7 +110,7 @@ def test_returning_a_closed_over_tensor(policy: str) -> None:
     torch.testing.assert_close(grad(run)(w, True), grad(run)(w, False))
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_closed_over_tensor_straight_into_an_inner_transform_raises(policy: str) -> None:
     x = torch.randn(3, 4, dtype=D)
 

@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import OpCounter
+from helpers import WIDE_POLICIES, OpCounter
 
 import remat
 from tests.conftest import Engine
 
 two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
 TwoTensor = two_tensor.TwoTensor
-
-POLICIES = ("nothing-saveable", "dots-saveable", "save-last", "save:hidden",
-            "everything-except:hidden", "offload-dots")
-
 
 def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     h = remat.checkpoint_name(torch.tanh(x @ w), "hidden")
@@ -42,7 +38,7 @@ def _assert_same(found: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, 
             torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", WIDE_POLICIES)
 def test_wrapper_subclass_input(engine: Engine, policy: str) -> None:
     x, w = _inputs()
     expected = engine.grads(block, x, w)

@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import OpCounter
+from helpers import CORE_POLICIES, OpCounter
 from torch.func import grad, hessian, jacfwd, jacrev, vmap
 
 import remat
 
-POLICIES = ("nothing-saveable", "dots-saveable", "save-last", "save:hidden")
 Outputs = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -73,7 +72,7 @@ def _loss(fn: Callable[..., Outputs], in_dims: tuple[int | None, int | None]) ->
     return loss
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 @pytest.mark.parametrize("dims", list(IN_DIMS))
 @pytest.mark.parametrize("name", list(FUNCTIONS))
 def test_grad_of_vmap(name: str, dims: str, policy: str) -> None:
@@ -85,7 +84,7 @@ def test_grad_of_vmap(name: str, dims: str, policy: str) -> None:
     torch.testing.assert_close(actual, expected)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 @pytest.mark.parametrize("dims", list(IN_DIMS))
 @pytest.mark.parametrize("name", list(FUNCTIONS))
 def test_eager_backward_through_vmap(name: str, dims: str, policy: str) -> None:
@@ -121,7 +120,7 @@ def test_jacrev_of_vmap(name: str, policy: str) -> None:
     torch.testing.assert_close(jacrev(outputs(region), argnums=(0, 1))(x, w), expected)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", CORE_POLICIES)
 @pytest.mark.parametrize("dims", list(IN_DIMS))
 @pytest.mark.parametrize("name", list(FUNCTIONS))
 def test_vmap_of_grad(name: str, dims: str, policy: str) -> None:

@@ -34,7 +34,7 @@ MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention
            "_scaled_dot_product_attention_math")
 #: The name the name policy keeps: each layer's MLP output, tagged by a forward hook.
 NAME = "mlp_out"
-POLICIES = ("nothing-saveable", "dots-saveable", "save-last", f"save:{NAME}")
+HF_POLICIES = ("nothing-saveable", "dots-saveable", "save-last", f"save:{NAME}")
 
 
 @dataclasses.dataclass
@@ -257,7 +257,7 @@ def _assert_same(run: Run, reference: Run) -> None:
 def _layer_cases() -> list[Any]:
     cases = []
     for model in sorted(BUILDERS):
-        for policy in POLICIES:
+        for policy in HF_POLICIES:
             for way in sorted(WAYS):
                 cases.append(pytest.param(model, policy, way))
     return cases

@@ -12,11 +12,10 @@ import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import apply, is_wrapped, register_stateful, sequential, unwrap, wrap
+from remat._inspect.memory import MemoryMeter
 
 
 def _has_functional_engine() -> bool:
@@ -132,30 +131,11 @@ def test_sequential_rejects_bad_segments() -> None:
 # -- memory: save-last recomputes less, at the same peak -----------------------------
 
 
-class _StorageMeter(TorchDispatchMode):
-    """Peak bytes of the storages that ops create, counted after every op."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                self.live.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
-        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(nbytes for _, nbytes in self.live.values()))
-        return out
-
-
 def _measure(policy: str, segments: int) -> tuple[int, int]:
     torch.manual_seed(0)
     layers = [Counted(32) for _ in range(8)]
     x = torch.randn(256, 32, requires_grad=True)  # activations dominate the weights
-    with _StorageMeter() as meter:
+    with MemoryMeter() as meter:  # peak: bytes of the tensors created under it
         sequential(layers, x, segments=segments, policy=policy).sum().backward()
     recomputed = sum(layer.calls - 1 for layer in layers)
     return meter.peak, recomputed

@@ -18,12 +18,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import OpCounter
+from helpers import CORE_POLICIES, OpCounter
 
 import remat
 from tests.conftest import Engine
 
-POLICIES = ("nothing-saveable", "dots-saveable", "save-last", "save:hidden", "offload-dots")
+#: The core policies and offload (an offloaded value is fetched, not recomputed).
+DIVERGENCE_POLICIES = (*CORE_POLICIES, "offload-dots")
 
 Fn = Callable[..., torch.Tensor]
 
@@ -109,7 +110,7 @@ def _functional_cache_program(block: Fn) -> Fn:
     return program
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", DIVERGENCE_POLICIES)
 def test_a_cache_that_grows_raises_and_passing_it_fixes(engine: Engine, policy: str) -> None:
     x, w = _inputs()
     expected = _reference(_cache_program(lambda f: f)[0], x, w)
@@ -154,7 +155,7 @@ def _flag_program(block: Fn, pass_flag: bool = False) -> Fn:
     return program
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", DIVERGENCE_POLICIES)
 def test_a_flag_flipped_before_backward_raises_and_an_argument_fixes(
     engine: Engine, policy: str
 ) -> None:
@@ -222,7 +223,7 @@ def test_the_same_program_passes_the_check(engine: Engine) -> None:
         return inner(flagged_block(x, w), w)  # type: ignore[operator]
 
     expected = _reference(lambda x, w: flagged_block(flagged_block(x, w), w).pow(2).sum(), x, w)
-    for policy in POLICIES:
+    for policy in DIVERGENCE_POLICIES:
         region = engine.remat(outer, policy=policy)
         found = engine.grads(lambda x, w, r=region: r(x, w).pow(2).sum(), x, w)  # type: ignore[misc]
         _assert_close(found, expected)
