@@ -1,4 +1,10 @@
-"""Shared test helpers: example programs, a no-remat reference, an op counter."""
+"""The one module of shared test helpers (every test folder imports it as ``helpers``).
+
+Policies every engine test runs under, example programs and inputs, references
+without remat (`grads`, `check_remat`, `train_both`), comparisons
+(`assert_close_all`, `tree_close`), op counters (`OpCounter`, `RecomputeCounter`
+with `assert_recomputed`), script loading and multi-process workers.
+"""
 
 from __future__ import annotations
 
