@@ -93,14 +93,9 @@ class RecomputeCounter(TorchDispatchMode):
         self.counts: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        import remat
-
         if remat.is_recomputing() and not (func.is_view or func.overloadpacket in _NO_COMPUTE):
             self.counts[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
-
-    def dots(self, names: frozenset[str] = DOTS) -> int:
-        return sum(n for op, n in self.counts.items() if op in names)
 
 
 def assert_recomputed(
@@ -178,8 +173,6 @@ def assert_close_or_unused(
 # -- example programs: (fn, make_inputs) -------------------------------------
 
 def _named(x: torch.Tensor) -> torch.Tensor:
-    import remat
-
     return remat.checkpoint_name(x, "hidden")
 
 

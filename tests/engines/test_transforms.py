@@ -23,7 +23,7 @@ from remat._offload.fake import FakeHostStore
 TRANSFORMS = ("grad", "vjp2", "jacrev", "jacfwd", "vmap_grad", "grad_grad", "hessian", "eager")
 
 
-# -- regions: 2-F64/3-F64 linear, einsum, conv, sdpa ------------------------------------
+# -- regions: 2-D/3-D linear, einsum, conv, sdpa ----------------------------------------
 
 
 def _lin2(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -92,9 +92,6 @@ def test_regions_under_transforms_all_policies(region: str, transform: str) -> N
     for policy in TORCH_FUNC_POLICIES:
         store = FakeHostStore(min_bytes=0)
         tree_close(expected, _apply(transform, remat_offloading(fn, policy, store), x, w, b))
-
-
-# -- vjp_fns called late, twice, interleaved with other regions ---------------------
 
 
 # -- outputs: partially unused, views of inputs, the inputs, ints, non-tensors ------
@@ -224,20 +221,3 @@ def test_checkpoint_name_on_inputs_and_views_under_vmap(policy: str) -> None:
         jacrev(vmap(_named_inputs, in_dims=(0, None)), argnums=1)(xs, w),
         jacrev(vmap(f, in_dims=(0, None)), argnums=1)(xs, w),
     )
-
-
-# -- dropout under vmap -------------------------------------------------------------
-
-
-# -- modules with buffers through functional_call -----------------------------------
-
-
-# -- eager autograd and torch.func in one program -----------------------------------
-
-
-# -- nested forward mode (found by review: tangents of tangents came out zero) ----
-
-
-# -- random regions whose backward runs under a new vmap (found by review) ----------
-
-

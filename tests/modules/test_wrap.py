@@ -22,12 +22,6 @@ from torch import nn
 import remat
 from remat._modules import is_wrapped
 
-# -- helpers -------------------------------------------------------------------
-
-
-# -- stateful modules ------------------------------------------------------------
-
-
 # -- apply / wrap / unwrap -------------------------------------------------------
 
 
@@ -206,12 +200,6 @@ def test_data_parallel_replica_uses_its_own_parameters() -> None:
     close_or_none(replica(torch.ones(1, 2)), torch.zeros(1, 2), "replica output")
 
 
-# -- sequential ----------------------------------------------------------------
-
-
-# -- save_last across steps ------------------------------------------------------
-
-
 # -- calls: kwargs, non-tensor outputs, hooks ------------------------------------
 
 
@@ -306,5 +294,3 @@ def test_forward_pre_hook_changing_kwargs_on_wrapped_module() -> None:
         return m
 
     train_both(build, lambda m: remat.wrap(m), call=lambda m, x: m(x, tag="z")["out"])
-
-
