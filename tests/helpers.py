@@ -154,6 +154,16 @@ def assert_close_all(actual: Sequence[torch.Tensor], expected: Sequence[torch.Te
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
 
 
+def assert_close_each(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> None:
+    """Each pair close with torch's default tolerances for its dtype.
+
+    Tighter than `assert_close_all` (a fixed 1e-5) in float64.
+    """
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e)
+
+
 def assert_close_or_unused(
     actual: Sequence[torch.Tensor | None], expected: Sequence[torch.Tensor | None]
 ) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import OpCounter
+from helpers import OpCounter, assert_close_each
 
 import remat
 
@@ -69,11 +69,6 @@ def _eager_grads(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> Any:
     return torch.autograd.grad(fn(*leaves), leaves)
 
 
-def _assert_close(found: Any, expected: Any) -> None:
-    for a, b in zip(found, expected, strict=True):
-        torch.testing.assert_close(a, b)
-
-
 HOW = ("eager", "functional-backward", "torch.func.grad")
 
 
@@ -108,7 +103,7 @@ def test_grad_with_respect_to_outside_tensor_raises(how: str, policy: str,
     # The first fix: everything-saveable, in every engine.
     torch.manual_seed(0)
     fix = _remat(policy="everything-saveable", **_engine(how))
-    _assert_close(_run(how, outer, fix, allow_unused=allow_unused), expected)
+    assert_close_each(_run(how, outer, fix, allow_unused=allow_unused), expected)
 
 
 @pytest.mark.parametrize("policy", GRAD_INSIDE_POLICIES)
@@ -117,7 +112,7 @@ def test_second_fix_under_eager_backward(policy: str) -> None:
     torch.manual_seed(0)
     expected = _run("eager", outer, _plain, allow_unused=False)
     torch.manual_seed(0)
-    _assert_close(_run("eager", fixed, _remat(policy=policy, engine="eager")), expected)
+    assert_close_each(_run("eager", fixed, _remat(policy=policy, engine="eager")), expected)
     x0 = torch.randn(4, 3, requires_grad=True)
     w = torch.randn(3, 3, requires_grad=True)
 
@@ -137,7 +132,7 @@ def test_save_last_keeps_everything_and_works() -> None:
     expected = _run("eager", outer, _plain, allow_unused=False)
     torch.manual_seed(0)
     wrap = _remat(policy="save-last", engine="eager")
-    _assert_close(_run("eager", outer, wrap, allow_unused=False), expected)
+    assert_close_each(_run("eager", outer, wrap, allow_unused=False), expected)
 
 
 @pytest.mark.parametrize("policy", ["dots-saveable", "save:hidden", "everything-except:hidden"])
@@ -155,7 +150,7 @@ def test_grad_with_respect_to_the_argument_still_works(how: str, policy: str) ->
     torch.manual_seed(0)
     expected = _run(how, program, _plain)
     torch.manual_seed(0)
-    _assert_close(_run(how, program, _remat(policy=policy, **_engine(how))), expected)
+    assert_close_each(_run(how, program, _remat(policy=policy, **_engine(how))), expected)
 
 
 def mixed(x0: torch.Tensor, w: torch.Tensor, wrap: Wrap) -> torch.Tensor:
@@ -182,7 +177,7 @@ def test_path_partly_outside_raises(how: str, policy: str) -> None:
         _run(how, mixed, _remat(policy=policy, **_engine(how)))
     torch.manual_seed(0)
     fix = _remat(policy="everything-saveable", **_engine(how))
-    _assert_close(_run(how, mixed, fix), expected)
+    assert_close_each(_run(how, mixed, fix), expected)
 
 
 @pytest.mark.parametrize("how", ["functional-backward", "torch.func.grad"])
@@ -208,4 +203,4 @@ def test_torch_func_engine_nothing_saveable_says_so(how: str) -> None:
     assert "Use policy='everything-saveable' for this region" in message
     torch.manual_seed(0)
     fix = _remat(policy="everything-saveable", engine="functional")
-    _assert_close(_run(how, program, fix), expected)
+    assert_close_each(_run(how, program, fix), expected)

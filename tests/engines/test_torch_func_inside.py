@@ -19,6 +19,7 @@ import torch
 from helpers import (
     CORE_POLICIES,
     OpCounter,
+    assert_close_each,
     tree_close,
 )
 from torch import nn
@@ -54,19 +55,14 @@ def _grads(fn: Callable[..., torch.Tensor], xs: tuple[torch.Tensor, ...]) -> Any
     return torch.autograd.grad(fn(*xs), xs)
 
 
-def _assert_close(found: Any, expected: Any) -> None:
-    for a, b in zip(found, expected, strict=True):
-        torch.testing.assert_close(a, b)
-
-
 @pytest.mark.parametrize("policy", INSIDE_POLICIES)
 @pytest.mark.parametrize("fn", [forces_loss, jacobian_loss], ids=["grad", "jacrev"])
 def test_auto_engine_runs_torch_func_inside(policy: str, fn: Callable[..., torch.Tensor]) -> None:
     xs = _inputs()
     expected = _grads(fn, xs)
     region = remat.remat(fn, policy=policy)
-    _assert_close(_grads(region, xs), expected)
-    _assert_close(_grads(region, xs), expected)  # later calls: the torch.func engine at once
+    assert_close_each(_grads(region, xs), expected)
+    assert_close_each(_grads(region, xs), expected)  # later calls: the torch.func engine at once
 
 
 def test_first_call_detects_later_calls_go_straight() -> None:
@@ -113,7 +109,7 @@ def test_random_ops_before_the_transform_are_rewound() -> None:
     expected = _grads(loss, xs)
     after_plain = torch.rand(1)
     torch.manual_seed(3)
-    _assert_close(_grads(remat.remat(loss, policy="dots-saveable"), xs), expected)
+    assert_close_each(_grads(remat.remat(loss, policy="dots-saveable"), xs), expected)
     torch.testing.assert_close(torch.rand(1), after_plain)  # the stream moved as without remat
 
 
@@ -124,7 +120,7 @@ def test_engine_eager_says_to_use_functional() -> None:
     message = str(info.value)
     assert "forces_loss (" in message and "test_torch_func_inside.py" in message
     assert "calls a torch.func transform" in message and "Use engine='functional'" in message
-    _assert_close(_grads(remat.remat(forces_loss, engine="functional"), xs),
+    assert_close_each(_grads(remat.remat(forces_loss, engine="functional"), xs),
                   _grads(forces_loss, xs))
 
 
@@ -150,7 +146,7 @@ def test_state_changed_before_the_transform_raises() -> None:
     calls.add_(1)
     found = torch.autograd.grad(region(*xs), xs)
     assert calls.item() == 1
-    _assert_close(found, _grads(forces_loss, xs))
+    assert_close_each(found, _grads(forces_loss, xs))
 
 
 def test_batchnorm_before_the_transform_raises() -> None:
@@ -167,7 +163,7 @@ def test_batchnorm_before_the_transform_raises() -> None:
     region = remat.remat(forces_loss)  # the fix: BatchNorm outside the region
     found = torch.autograd.grad(region(norm(xs[0]), xs[1]), xs)
     expected = torch.autograd.grad(forces_loss(reference(xs[0]), xs[1]), xs)
-    _assert_close(found, expected)
+    assert_close_each(found, expected)
     torch.testing.assert_close(norm.running_mean, reference.running_mean)  # updated once
     assert int(norm.num_batches_tracked) == 1
 
@@ -179,7 +175,7 @@ def test_under_torch_func_grad_too() -> None:
     found = torch.func.grad(remat.remat(forces_loss, policy="dots-saveable"), argnums=(0, 1))(
         pos, w
     )
-    _assert_close(found, expected)
+    assert_close_each(found, expected)
 
 
 def test_wrapped_module_switches_once_and_a_parameter_into_the_transform_is_loud() -> None:
@@ -206,7 +202,7 @@ def test_wrapped_module_switches_once_and_a_parameter_into_the_transform_is_loud
         model(pos)
     region = remat.remat(forces_loss, policy="dots-saveable")  # the fix: w is an argument
     for _ in range(2):  # the second call goes to the torch.func engine directly
-        _assert_close(torch.autograd.grad(region(pos, model.w), (pos, model.w)), expected)
+        assert_close_each(torch.autograd.grad(region(pos, model.w), (pos, model.w)), expected)
 
 
 def test_sequential_segments_with_a_closed_over_weight_into_the_transform_are_loud() -> None:
@@ -236,7 +232,7 @@ def test_sequential_segments_with_a_closed_over_weight_into_the_transform_are_lo
         y = pos
         for _ in range(4):
             y = region(y, w)
-        _assert_close(torch.autograd.grad((y**2).sum(), (pos, w)), expected)
+        assert_close_each(torch.autograd.grad((y**2).sum(), (pos, w)), expected)
 
 
 @pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable", "save:h", "save-last"])

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import CORE_POLICIES, OpCounter
+from helpers import CORE_POLICIES, OpCounter, assert_close_each
 
 import remat
 from tests.conftest import Engine
@@ -36,12 +36,6 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
 def _reference(program: Fn, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     leaves = [x.detach().requires_grad_() for x in xs]
     return torch.autograd.grad(program(*leaves), leaves)
-
-
-def _assert_close(actual: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...]) -> None:
-    assert len(actual) == len(expected)
-    for a, e in zip(actual, expected, strict=True):
-        torch.testing.assert_close(a, e)
 
 
 def _raises_naming(engine: Engine, program: Fn, region_fn: Fn, *xs: torch.Tensor) -> str:
@@ -120,15 +114,15 @@ def test_a_cache_that_grows_raises_and_passing_it_fixes(engine: Engine, policy: 
     assert "everything-saveable" in message
 
     fixed = engine.remat(passing_the_cache, policy=policy)
-    _assert_close(engine.grads(_functional_cache_program(fixed), x, w), expected)  # type: ignore[arg-type]
-    _assert_close(_reference(_functional_cache_program(passing_the_cache), x, w), expected)
+    assert_close_each(engine.grads(_functional_cache_program(fixed), x, w), expected)  # type: ignore[arg-type]
+    assert_close_each(_reference(_functional_cache_program(passing_the_cache), x, w), expected)
 
 
 def test_a_cache_that_grows_is_right_with_everything_saveable(engine: Engine) -> None:
     x, w = _inputs()
     expected = _reference(_cache_program(lambda f: f)[0], x, w)
     program, _ = _cache_program(lambda f: engine.remat(f, policy="everything-saveable"))  # type: ignore[arg-type,return-value]
-    _assert_close(engine.grads(program, x, w), expected)
+    assert_close_each(engine.grads(program, x, w), expected)
 
 
 # -- a flag flipped between forward and backward ---------------------------------
@@ -169,7 +163,7 @@ def test_a_flag_flipped_before_backward_raises_and_an_argument_fixes(
     counter = OpCounter()
     with counter:
         found = engine.grads(_flag_program(fixed, pass_flag=True), x, w)  # type: ignore[arg-type]
-    _assert_close(found, expected)
+    assert_close_each(found, expected)
     # The recompute ran the forward's `sin` (two forwards, and two recomputes
     # unless the policy keeps them: save-last keeps the last region's).
     recomputed = {"nothing-saveable": 2, "save-last": 1}.get(policy, 2)
@@ -180,7 +174,7 @@ def test_a_flipped_flag_is_right_with_everything_saveable(engine: Engine) -> Non
     x, w = _inputs()
     expected = _reference(_flag_program(flagged_block), x, w)
     block = engine.remat(flagged_block, policy="everything-saveable")
-    _assert_close(engine.grads(_flag_program(block), x, w), expected)  # type: ignore[arg-type]
+    assert_close_each(engine.grads(_flag_program(block), x, w), expected)  # type: ignore[arg-type]
 
 
 # -- a flag that drops a saving op from the recompute -----------------------------
@@ -210,7 +204,7 @@ def test_an_op_missing_from_the_recompute_raises_and_an_argument_fixes(
         _FLAG["sin"] = False
         return x.pow(2).sum()
 
-    _assert_close(engine.grads(program, x, w), expected)
+    assert_close_each(engine.grads(program, x, w), expected)
 
 
 def test_the_same_program_passes_the_check(engine: Engine) -> None:
@@ -226,7 +220,7 @@ def test_the_same_program_passes_the_check(engine: Engine) -> None:
     for policy in DIVERGENCE_POLICIES:
         region = engine.remat(outer, policy=policy)
         found = engine.grads(lambda x, w, r=region: r(x, w).pow(2).sum(), x, w)  # type: ignore[misc]
-        _assert_close(found, expected)
+        assert_close_each(found, expected)
 
 
 # -- Hugging Face GPT-2 in training, default use_cache ------------------------------
@@ -326,12 +320,12 @@ def test_another_output_structure_is_right_or_raises_and_an_argument_fixes(
     expected = _reference(program_of(pair_or_single), x, w)
     region = engine.remat(pair_or_single)
     if engine.name == "eager":  # saved tensors match: the outputs are the forward's
-        _assert_close(engine.grads(program_of(region), x, w), expected)  # type: ignore[arg-type]
+        assert_close_each(engine.grads(program_of(region), x, w), expected)  # type: ignore[arg-type]
     else:  # the recompute's outputs are differentiated: they must have the same structure
         message = _raises_naming(engine, program_of(region), pair_or_single, x, w)  # type: ignore[arg-type]
         assert "static_argnums/static_argnames" in message
     fixed = engine.remat(pair_or_single, static_argnames=("pair",))
-    _assert_close(engine.grads(program_of(fixed, pass_flag=True), x, w), expected)  # type: ignore[arg-type]
+    assert_close_each(engine.grads(program_of(fixed, pass_flag=True), x, w), expected)  # type: ignore[arg-type]
 
 
 # -- code the forward runs alone, under ``not remat.is_recomputing()`` -----------
@@ -354,5 +348,5 @@ def test_forward_only_side_effects_are_no_divergence(engine: Engine, policy: str
     expected = _reference(lambda x, w: logging_block(x, w).pow(2).sum(), x, w)
     block = engine.remat(logging_block, policy=policy)
     _LOG.clear()
-    _assert_close(engine.grads(lambda x, w: block(x, w).pow(2).sum(), x, w), expected)  # type: ignore[operator]
+    assert_close_each(engine.grads(lambda x, w: block(x, w).pow(2).sum(), x, w), expected)  # type: ignore[operator]
     assert len(_LOG) == 1  # the forward logged once; the recompute skipped it
