@@ -13,7 +13,7 @@ import remat.testing
 from remat import __main__ as cli
 from remat.integrations import huggingface
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_the_license_is_the_full_apache_text_pyproject_names() -> None:
