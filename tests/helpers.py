@@ -29,6 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat._offload.fake import FakeHostStore
+from remat._policy.op_cost import op_cost
+from remat._replay.checks import arg_shapes
 
 #: Policies every engine test runs under (strings, as users write them).
 POLICIES = (
@@ -461,3 +463,74 @@ def batch84() -> torch.Tensor:
     """An (8, 4) float64 batch, seeded."""
     torch.manual_seed(2)
     return torch.randn(8, 4, dtype=torch.double)
+
+
+# -- memory budgets: a recompute-cost counter and held bytes ---------------------------
+
+#: The budgets the memory-budget tests run (issue #14).
+FRACTIONS = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
+
+
+class RecomputeCost(TorchDispatchMode):
+    """Sum the planner's cost estimate over the ops a recompute runs (replayed ops do not run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cost = 0
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        # Dead ops' stand-ins are meta tensors (NOTE [ Record and replay ] rule 5): free.
+        stand_in = any(isinstance(t, torch.Tensor) and t.is_meta for t in outs)
+        if remat.is_recomputing() and func is not torch.ops.aten.detach.default and not stand_in:
+            shapes = [(t.shape, t.dtype) for t in outs if isinstance(t, torch.Tensor)]
+            self.cost += op_cost(func, arg_shapes(args, kwargs), shapes)
+            self.ops += not func.is_view
+        return out
+
+
+def held_bytes(fn: Callable[..., Any], *args: Any, policy: Any) -> int:
+    """Bytes the policy keeps for backward beyond inputs and parameters (saved_residuals)."""
+    return remat.residual_totals(remat.saved_residuals(fn, *args, policy=policy))["saved"]
+
+
+def recompute_cost(step: Callable[..., torch.Tensor], *args: Any) -> RecomputeCost:
+    """Run ``step(*args).backward()``, counting what the backward recomputes."""
+    loss = step(*args)
+    with RecomputeCost() as counter:
+        loss.backward()
+    return counter
+
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+#: Shape-preserving steps on a (4, 4) activation `h` with a (4, 4) weight `w`.
+STEPS: dict[str, Step] = {
+    "matmul": lambda h, w: h @ w,
+    "bmm": lambda h, w: torch.bmm(h.unsqueeze(0), w.unsqueeze(0)).squeeze(0),
+    "tanh": lambda h, w: torch.tanh(h),
+    "sin": lambda h, w: torch.sin(h),
+    "mul": lambda h, w: h * w,
+    "residual": lambda h, w: h + torch.sigmoid(h @ w),
+    "softmax": lambda h, w: torch.softmax(h, dim=-1),
+    "layernorm": lambda h, w: F.layer_norm(h, (4,)),
+    "dropout": lambda h, w: F.dropout(h, p=0.3, training=True),
+    "transpose": lambda h, w: h.t().contiguous(),
+    "name_a": lambda h, w: remat.checkpoint_name(h * 1.5, "a"),
+    "name_b": lambda h, w: remat.checkpoint_name(torch.cos(h), "b"),
+    "relu_inplace": lambda h, w: F.relu(h * 1.0, inplace=True),
+}
+
+
+def step_program(steps: list[str]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A program running the named `STEPS` in order on ``(h, w)``."""
+    def run(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        for step in steps:
+            h = STEPS[step](h, w)
+        return h
+
+    return run

@@ -5,31 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
-from helpers import assert_close_or_unused
+from helpers import STEPS, assert_close_or_unused, step_program
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import remat
-
-Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-#: Shape-preserving steps on a (4, 4) activation `h` with a (4, 4) weight `w`.
-STEPS: dict[str, Step] = {
-    "matmul": lambda h, w: h @ w,
-    "bmm": lambda h, w: torch.bmm(h.unsqueeze(0), w.unsqueeze(0)).squeeze(0),
-    "tanh": lambda h, w: torch.tanh(h),
-    "sin": lambda h, w: torch.sin(h),
-    "mul": lambda h, w: h * w,
-    "residual": lambda h, w: h + torch.sigmoid(h @ w),
-    "softmax": lambda h, w: torch.softmax(h, dim=-1),
-    "layernorm": lambda h, w: F.layer_norm(h, (4,)),
-    "dropout": lambda h, w: F.dropout(h, p=0.3, training=True),
-    "transpose": lambda h, w: h.t().contiguous(),
-    "name_a": lambda h, w: remat.checkpoint_name(h * 1.5, "a"),
-    "name_b": lambda h, w: remat.checkpoint_name(torch.cos(h), "b"),
-    "relu_inplace": lambda h, w: F.relu(h * 1.0, inplace=True),
-}
 
 POLICY_STRINGS = [
     "nothing-saveable",
@@ -47,15 +27,6 @@ POLICY_STRINGS = [
 ]
 
 
-def _program(steps: list[str]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    def run(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        for step in steps:
-            h = STEPS[step](h, w)
-        return h
-
-    return run
-
-
 programs = st.lists(st.sampled_from(sorted(STEPS)), min_size=1, max_size=7)
 
 
@@ -69,7 +40,7 @@ programs = st.lists(st.sampled_from(sorted(STEPS)), min_size=1, max_size=7)
 def test_random_programs_match_reference(
     steps: list[str], policy: str, blocks: int, seed: int
 ) -> None:
-    body = _program(steps)
+    body = step_program(steps)
     block = remat.remat(body, policy=policy)
     torch.manual_seed(seed)
     x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
@@ -102,8 +73,8 @@ def test_random_programs_match_reference(
 def test_random_nested_programs_match_reference(
     outer: list[str], inner: list[str], outer_policy: str, inner_policy: str
 ) -> None:
-    inner_fn = _program(inner)
-    outer_fn = _program(outer)
+    inner_fn = step_program(inner)
+    outer_fn = step_program(outer)
     wrapped_inner = remat.remat(inner_fn, policy=inner_policy)
 
     def plain(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -126,7 +97,7 @@ def test_random_nested_programs_match_reference(
 @given(steps=programs, policy=st.sampled_from(POLICY_STRINGS))
 def test_random_programs_double_backward(steps: list[str], policy: str) -> None:
     steps = [s for s in steps if s != "relu_inplace"] or ["tanh"]
-    body = _program(steps)
+    body = step_program(steps)
     x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
 
@@ -170,7 +141,7 @@ COMPILED_POLICIES = [
 def test_random_programs_under_torch_compile(
     steps: list[str], policy: str, backend: str, blocks: int
 ) -> None:
-    body = _program(steps)
+    body = step_program(steps)
     block = remat.remat(body, policy=policy)
     x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)

@@ -320,16 +320,8 @@ def test_a_dead_op_returns_a_meta_stand_in_of_its_shape() -> None:
 # -- end to end: a stand-in reaching Python -------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=remat.NondeterministicRecomputeError,
-    reason=(
-        "bug: tolist() of a dead op's stand-in runs aten._to_copy in the recompute; "
-        "ReplayMode reports it as a divergence (a RematError, whose causes and fixes do "
-        "not apply) instead of the eager engine's retry with every op live (NOTE "
-        "[ Record and replay ] rule 5), which only catches errors that are not RematErrors"
-    ),
-)
+# Python reads a dead op's stand-in: the recompute runs again with every op live
+# (NOTE [ Record and replay ] rule 5).
 def test_tolist_of_dead_op_is_not_garbage() -> None:
     seen: list[list[float]] = []
     alive: list[torch.Tensor] = []

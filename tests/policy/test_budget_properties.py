@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-from budget_helpers import held_bytes, recompute_cost
+from helpers import STEPS, held_bytes, recompute_cost, step_program
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_properties import STEPS, _program
 
 import remat
 from remat._engines.budget_plans import plans_of
@@ -16,7 +15,7 @@ BRANCHES = ("skip", "gate")
 
 
 def _graph(steps: list[str]):  # type: ignore[no-untyped-def]
-    body = _program([s for s in steps if s not in BRANCHES])
+    body = step_program([s for s in steps if s not in BRANCHES])
 
     def run(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         values = [h]

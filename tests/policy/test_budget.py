@@ -10,8 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from budget_helpers import FRACTIONS, held_bytes, recompute_cost
-from helpers import PROGRAMS, assert_close_all
+from helpers import FRACTIONS, PROGRAMS, assert_close_all, held_bytes, recompute_cost
 
 import remat
 from remat._engines.budget_plans import plans_of
@@ -334,7 +333,7 @@ def test_saved_residuals_shows_each_decision_and_the_plan_matches() -> None:
 
 _PLAN_SCRIPT = """
 import json, torch, remat
-import sys; sys.path.insert(0, "tests")
+import sys; sys.path[:0] = ["tests", "tests/policy"]
 from test_budget import block, block_inputs
 plan = remat.budget_plan(block, *block_inputs(), policy="budget:0.3")
 print(json.dumps([sorted(plan.kept), plan.held_bytes, plan.cost, [str(o) for o in plan.ops]]))
@@ -346,7 +345,7 @@ def test_the_same_plan_in_two_processes() -> None:
     mine = [sorted(plan.kept), plan.held_bytes, plan.cost, [str(o) for o in plan.ops]]
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-c", _PLAN_SCRIPT], capture_output=True, text=True, cwd=root,
         env={**__import__("os").environ, "PYTHONPATH": str(root)}, check=True,
