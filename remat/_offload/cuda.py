@@ -5,7 +5,7 @@ The store's rules are NOTE [ Offload: streams, events, prefetch ] rules 4-6 in
 `CudaRuntime`, so that tests can run the store's own logic against a simulated
 device that executes side-stream copies late and in varying order, and checks
 that each wait, event and ``record_stream`` the rules name is really there
-(``tests/cuda_sim.py``). Production always uses `CudaRuntime` itself, which
+(``tests/offload/cuda_sim.py``). Production always uses `CudaRuntime` itself, which
 calls ``torch.cuda`` and nothing else.
 """
 
