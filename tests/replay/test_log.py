@@ -1,4 +1,4 @@
-"""The replay core (``remat._replay.log``): op log, record, replay, liveness, stand-ins.
+"""The replay core (``remat._replay``): op log, record, replay, liveness, stand-ins.
 
 Unit tests through `OpLog`, `OpRecord`, `RecordMode` and `ReplayMode` (NOTE
 [ Record and replay ]), below every engine: a region's forward is recorded into a
@@ -18,7 +18,9 @@ from helpers import Fn, OpCounter, w44, x3
 import remat
 from remat._policy.base import Decision
 from remat._policy.strings import resolve
-from remat._replay.log import TAG, OpLog, RecordMode, ReplayMode
+from remat._replay.modes import RecordMode, ReplayMode
+from remat._replay.records import OpLog
+from remat._replay.tags import tag_of
 
 aten = torch.ops.aten
 
@@ -72,8 +74,8 @@ def test_outputs_are_tagged_and_looked_up_by_log_op_and_position() -> None:
     x, w = _xw()
     log, out = _record("nothing-saveable", lambda x, w: torch.max(x @ w, dim=1), x, w)
     values, indices = out
-    assert getattr(values, TAG) == (log.serial, 1, 0)
-    assert getattr(indices, TAG) == (log.serial, 1, 1)
+    assert tag_of(values) == (log.serial, 1, 0)
+    assert tag_of(indices) == (log.serial, 1, 1)
     assert log.lookup(indices) == (log.records[1], 1)
     other, out2 = _record("nothing-saveable", _mlp, x, w)
     assert other.serial != log.serial and log.lookup(out2) is None  # another region's
@@ -185,7 +187,7 @@ def test_replay_substitutes_the_kept_outputs_of_a_partly_kept_op() -> None:
     log.end_forward()
     rec = log.records[0]
     assert rec.kept is not None
-    rec.kept[1] = None  # as the engines drop a fetched offload copy: the op must run again
+    rec.drop(1)  # as the engines drop a fetched offload copy: the op must run again
     y = torch.flip(x, dims=(1,))  # same shape, other argmax positions
     (values, indices), ran = _replay(log, fn, y)
     assert ran.counts["max"] == 1  # ran, since one output was not kept...
@@ -212,7 +214,7 @@ def test_a_write_through_an_alias_with_its_own_version_counter_is_seen() -> None
 
     log, _ = _record("dots-saveable", fn, *_xw())
     assert log.records[0].replayable() is None  # found by storage address
-    assert log.records[0].versions == [-1]
+    assert log.records[0].written_after_kept(0)
 
 
 def test_a_different_op_in_the_recompute_raises_naming_the_region_and_the_op() -> None:
