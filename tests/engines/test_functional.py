@@ -80,11 +80,17 @@ def _ones(tree: Any) -> Any:
     return tree_map(torch.ones_like, tree)
 
 
+def _vjp_ones(out: torch.Tensor, vjp_fn: Callable[..., Any]) -> Any:
+    return vjp_fn(torch.ones_like(out))
+
+
 TRANSFORMS: dict[str, Callable[..., Any]] = {
     "grad": lambda f, x, p: grad(_scalar(f), argnums=(0, 1))(x, p),
     "argnums": lambda f, x, p: grad(_scalar(f), argnums=1)(x, p),
     "has_aux": lambda f, x, p: grad(lambda x, p: (_scalar(f)(x, p), f(x, p)), has_aux=True)(x, p),
-    "vjp": lambda f, x, p: vjp(f, x, p)[1](torch.ones_like(f(x, p))),
+    # The cotangent is shaped from vjp's own output: calling f again for it would be a
+    # second region call, the latest one under save-last.
+    "vjp": lambda f, x, p: _vjp_ones(*vjp(f, x, p)),
     "jacrev": lambda f, x, p: jacrev(f, argnums=(0, 1))(x, p),
     "jacfwd": lambda f, x, p: jacfwd(f, argnums=(0, 1))(x, p),
     "jvp": lambda f, x, p: jvp(f, (x, p), (_ones(x), _ones(p))),
