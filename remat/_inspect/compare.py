@@ -42,7 +42,7 @@ from torch import nn
 from .. import policies as _policies
 from .guard import check_keywords, preserved_state
 from .memory import ComputeOpCounter, measure_memory
-from .residuals import _human, _table
+from .residual import human, table
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -220,7 +220,7 @@ def format_costs(rows: Sequence[PolicyCost]) -> str:
         )
         for r in rows
     ]
-    return _table(cells, numeric={1, 2, 3, 4})
+    return table(cells, numeric={1, 2, 3, 4})
 
 
 def plot_costs(rows: Sequence[PolicyCost]) -> Figure:
@@ -316,8 +316,8 @@ def _costs(
                 ops = _backward_ops(step, args)
             measured[variant.label] = (report.held_bytes, report.peak_bytes, ops)
             say(
-                f"[{number}/{len(variants)}] {variant.label}: peak {_human(report.peak_bytes)}, "
-                f"held {_human(report.held_bytes)} ({time.perf_counter() - start:.2f} s)"
+                f"[{number}/{len(variants)}] {variant.label}: peak {human(report.peak_bytes)}, "
+                f"held {human(report.held_bytes)} ({time.perf_counter() - start:.2f} s)"
             )
         ratios = _time(variants, args, kwargs, repeats, clear, say)
     none_ops = measured["none"][2]
