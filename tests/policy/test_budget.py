@@ -376,3 +376,31 @@ def test_tiny_llama_layers_under_budgets() -> None:
         for _ in range(2):
             got = torch.autograd.grad(model(ids, labels=ids).loss, list(model.parameters()))
             assert_close_all(got, want)
+
+
+def test_budget_plan_returns_a_budget_plan_and_refuses_other_policies() -> None:
+    xs = block_inputs()
+    plan = remat.budget_plan(block, *xs, policy="budget:0.5")
+    assert isinstance(plan, remat.BudgetPlan)
+    assert plan.held_bytes <= plan.budget_bytes < plan.full_bytes
+    assert [plan.decision(i) is Decision.SAVE for i in range(len(plan.ops))] == [
+        i in plan.kept for i in range(len(plan.ops))
+    ]
+    with pytest.raises(TypeError, match=r"remat.budget_plan: .*not a memory budget.*budget:0.3"):
+        remat.budget_plan(block, *xs, policy="dots-saveable")
+    # The fix the message gives works.
+    assert isinstance(remat.budget_plan(block, *xs, policy="budget:0.3"), remat.BudgetPlan)
+
+
+def test_a_plan_past_the_node_limit_still_fits_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from remat._policy import planner
+
+    xs = block_inputs()
+    exact = remat.budget_plan(block, *xs, policy="budget:0.4")
+    monkeypatch.setattr(planner, "NODE_LIMIT", 0)
+    fresh = lambda *a: block(*a)  # noqa: E731 - another function: no cached plan
+    limited = remat.budget_plan(fresh, *xs, policy="budget:0.4")
+    assert exact.solver == "exact (HiGHS MILP)"
+    assert limited.solver in ("HiGHS MILP at its node limit", "rounded LP"), limited.solver
+    assert limited.held_bytes <= limited.budget_bytes == exact.budget_bytes
+    assert limited.cost >= exact.cost  # never better than the proven optimum
