@@ -11,6 +11,7 @@ from . import testing as testing
 from ._api import checkpoint as checkpoint
 from ._api import checkpoint_name as checkpoint_name
 from ._api import remat as remat
+from ._apply import apply as apply
 from ._capture.stateful import register_stateful as register_stateful
 from ._engines.budget_plans import BudgetPlan as BudgetPlan
 from ._errors import NondeterministicRecomputeError as NondeterministicRecomputeError
@@ -27,7 +28,6 @@ from ._inspect.residuals import Residual as Residual
 from ._inspect.residuals import print_saved_residuals as print_saved_residuals
 from ._inspect.residuals import residual_totals as residual_totals
 from ._inspect.residuals import saved_residuals as saved_residuals
-from ._modules import apply as apply
 from ._modules import is_wrapped as is_wrapped
 from ._modules import unwrap as unwrap
 from ._modules import wrap as wrap

@@ -16,7 +16,7 @@ from ._api import remat
 from ._capture.module_state import StateGuard
 from ._capture.stateful import GuardsItsModules
 from ._engines.select import traced
-from ._modules import _check_options
+from ._modules import check_module_options
 from .policies import PolicyLike
 
 __all__ = ["segment_bounds", "sequential"]
@@ -111,7 +111,7 @@ def sequential(
         >>> net[0].weight.grad.shape
         torch.Size([4, 4])
     """
-    _check_options("remat.sequential", remat_options)
+    check_module_options("remat.sequential", remat_options)
     policies.resolve(policy)
     layers = list(layers)
     for i, layer in enumerate(layers):

@@ -43,12 +43,8 @@ from ._policy.budget import memory_budget as memory_budget
 from ._policy.library import Dots as Dots
 from ._policy.library import EverythingSaveable as EverythingSaveable
 from ._policy.library import NothingSaveable as NothingSaveable
-from ._policy.library import SaveAndOffloadOnlyTheseNames as SaveAndOffloadOnlyTheseNames
-from ._policy.library import SaveAnyNamesButThese as SaveAnyNamesButThese
-from ._policy.library import SaveAnythingExceptTheseNames as SaveAnythingExceptTheseNames
 from ._policy.library import SaveFromBothPolicies as SaveFromBothPolicies
 from ._policy.library import SaveLast as SaveLast
-from ._policy.library import SaveOnlyTheseNames as SaveOnlyTheseNames
 from ._policy.library import checkpoint_dots as checkpoint_dots
 from ._policy.library import (
     checkpoint_dots_with_no_batch_dims as checkpoint_dots_with_no_batch_dims,
@@ -59,12 +55,16 @@ from ._policy.library import everything_saveable as everything_saveable
 from ._policy.library import nothing_saveable as nothing_saveable
 from ._policy.library import offload_dot_with_no_batch_dims as offload_dot_with_no_batch_dims
 from ._policy.library import offload_dots as offload_dots
-from ._policy.library import save_and_offload_only_these_names as save_and_offload_only_these_names
-from ._policy.library import save_any_names_but_these as save_any_names_but_these
-from ._policy.library import save_anything_except_these_names as save_anything_except_these_names
 from ._policy.library import save_from_both_policies as save_from_both_policies
 from ._policy.library import save_last as save_last
-from ._policy.library import save_only_these_names as save_only_these_names
+from ._policy.names import SaveAndOffloadOnlyTheseNames as SaveAndOffloadOnlyTheseNames
+from ._policy.names import SaveAnyNamesButThese as SaveAnyNamesButThese
+from ._policy.names import SaveAnythingExceptTheseNames as SaveAnythingExceptTheseNames
+from ._policy.names import SaveOnlyTheseNames as SaveOnlyTheseNames
+from ._policy.names import save_and_offload_only_these_names as save_and_offload_only_these_names
+from ._policy.names import save_any_names_but_these as save_any_names_but_these
+from ._policy.names import save_anything_except_these_names as save_anything_except_these_names
+from ._policy.names import save_only_these_names as save_only_these_names
 from ._policy.strings import names as names
 from ._policy.strings import register as register
 from ._policy.strings import resolve as resolve

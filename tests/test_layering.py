@@ -24,8 +24,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("remat._replay", "remat._offload"),
     ("remat._capture",),
     ("remat._engines",),
-    ("remat._api",),
-    ("remat._modules", "remat._sequential", "remat._inspect"),
+    ("remat._api", "remat._options"),
+    ("remat._modules", "remat._apply", "remat._sequential", "remat._inspect"),
     ("remat._demo_model", "remat.testing", "remat.compat", "remat.integrations"),
     ("remat", "remat.__main__"),
 ]

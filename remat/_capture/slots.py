@@ -17,7 +17,7 @@ from torch import nn
 
 from .._compat import is_functorch_wrapped, no_dispatch_modes, storage_identity
 from .._errors import RematError
-from .._replay.checks import STANDS_FOR_LEAF
+from .._replay.saved_signatures import STANDS_FOR_LEAF
 from .._state import internal, local
 
 __all__ = [

@@ -23,11 +23,13 @@ from .library import (
     nothing_saveable,
     offload_dot_with_no_batch_dims,
     offload_dots,
+    save_from_both_policies,
+    save_last,
+)
+from .names import (
     save_and_offload_only_these_names,
     save_any_names_but_these,
     save_anything_except_these_names,
-    save_from_both_policies,
-    save_last,
     save_only_these_names,
 )
 

@@ -10,7 +10,7 @@ NOTE [ Recompute signatures ]
    its ``grad_fn`` (``SinBackward0``), or "input" for a region input (its
    ``grad_fn`` is outside the region, and the recompute's detached copies have
    none). The recompute's k-th saved tensor must have the forward's k-th
-   signature (`saved_signature`).
+   signature (`saved_signature`, `check_saved` in ``_replay/saved_signatures.py``).
 3. torch.func engine: the forward's hidden-input guard (a `TorchFunctionMode`
    that sees every call anyway) records each Python-level torch call of ``fn``
    with the shapes and dtypes of its tensor arguments (`OpTrace`); a `TraceMode`
@@ -29,14 +29,22 @@ NOTE [ Recompute signatures ]
    changed between forward and backward, or ``policy='everything-saveable'``
    (no recompute). ``determinism_check=False`` turns these checks off; it fixes
    nothing, so no message suggests it.
+5. Both engines report a signature that differs through one entry, `expect_same`
+   (compare the forward's side with the recompute's, raise `differs`), or
+   `differs` itself where the engine finds the difference its own way: the eager
+   engine's saved tensors (`check_saved`) and how many it saved, the torch.func
+   engine's calls, the makers of its outputs and its output structure. Each
+   message reads "<what> (forward: ...; recompute: ...)", after the region's name
+   and source line, and before the cures of rule 4.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import optree
 import torch
@@ -48,13 +56,16 @@ from .._state import local as state
 __all__ = [
     "CURES",
     "OpTrace",
+    "TraceMode",
     "arg_shapes",
+    "differs",
     "divergence",
-    "refuse_growing_cache",
+    "expect_same",
     "inner_region",
-    "same_signature",
-    "saved_signature",
+    "refuse_growing_cache",
 ]
+
+T = TypeVar("T")
 
 #: The fixes that work, one per usual cause of a recompute that differs (NOTE rule 4).
 CURES = (
@@ -106,76 +117,42 @@ def refuse_growing_cache(label: str, args: tuple[Any, ...], kwargs: dict[str, An
             )
 
 
-def divergence(label: str, what: str) -> NondeterministicRecomputeError:
-    """The error for a recompute of region ``label`` that differs from its forward."""
+def divergence(label: str, what: str, after: str = "") -> NondeterministicRecomputeError:
+    """The error for a recompute of region ``label`` that differs from its forward.
+
+    ``after`` follows the cures (the op logs side by side).
+    """
     return NondeterministicRecomputeError(
         f"remat: the recompute of {label} differs from its forward: {what}. Its gradients "
-        f"would be wrong. {CURES}"
+        f"would be wrong. {CURES}{after}"
     )
 
 
-# ---------------------------------------------------------------------------
-# Eager engine (NOTE rule 2)
-# ---------------------------------------------------------------------------
+def differs(
+    label: str, what: str, forward: object, recompute: object, hint: str = "", after: str = ""
+) -> NondeterministicRecomputeError:
+    """The error for a recompute of ``label`` whose ``what`` is not the forward's (NOTE rule 5).
 
-#: One saved tensor: (shape, dtype, device, producer).
-SavedSignature = tuple[torch.Size, torch.dtype, torch.device, Any]
-
-
-#: Attribute remat sets on a tensor it made to stand for a leaf in a recompute (the
-#: state guard's linked copy of a parameter the forward wrote): it signs as that leaf.
-STANDS_FOR_LEAF = "_remat_stands_for_leaf"
-
-
-#: Nodes of reshapes that autograd picks between by strides, not by what the code
-#: does (``reshape`` records a view or an alias): the same values either way.
-_RESHAPES = frozenset({
-    "ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "AsStridedBackward0",
-})
-
-
-def saved_signature(t: torch.Tensor, is_input: bool) -> SavedSignature:
-    """The signature of a tensor autograd saves; ``is_input``: a region input."""
-    made_by: Any = "input" if is_input else type(t.grad_fn)
-    if getattr(made_by, "__name__", None) in _RESHAPES:
-        made_by = "a reshape"
-    if getattr(t, STANDS_FOR_LEAF, False):
-        made_by = type(None)
-    return (t.shape, t.dtype, t.device, made_by)
-
-
-def same_signature(expected: SavedSignature | None, seen: SavedSignature) -> bool:
-    """Whether a recompute's saved tensor matches the forward's (NOTE rule 2).
-
-    A producer that is a custom ``autograd.Function`` on one side only is no
-    difference: hooks insert identity Functions in the forward alone (FSDP2's
-    ``RegisterPostBackwardFunction`` on a unit's inputs), and the values are the
-    same; shape, dtype and device must still match.
+    ``forward`` and ``recompute`` are the two sides, described; ``hint`` follows them.
     """
-    if expected is None or expected == seen:
-        return expected == seen
-    if expected[:3] != seen[:3]:
-        return False
-    return _custom(expected[3]) or _custom(seen[3])
+    return divergence(
+        label, f"{what} (forward: {forward}; recompute: {recompute}){hint}", after
+    )
 
 
-def _custom(made_by: Any) -> bool:
-    custom = torch.autograd.function.BackwardCFunction
-    return isinstance(made_by, type) and issubclass(made_by, custom)
-
-
-def describe_saved(signature: SavedSignature | None) -> str:
-    if signature is None:
-        return "nothing (the forward saved fewer tensors)"
-    shape, dtype, device, made_by = signature
-    maker = "a region input" if made_by == "input" else _maker_name(made_by)
-    return f"shape {tuple(shape)}, {dtype} on {device}, made by {maker}"
-
-
-def _maker_name(made_by: Any) -> str:
-    if made_by is type(None):
-        return "no op (a leaf)"
-    return str(getattr(made_by, "__name__", made_by))
+def expect_same(
+    label: str,
+    what: str,
+    forward: T,
+    recompute: T,
+    *,
+    same: Callable[[T, T], bool] = operator.eq,
+    describe: Callable[[T], object] = str,
+    hint: str = "",
+) -> None:
+    """Raise `differs` unless the recompute's signature ``what`` is the forward's (NOTE rule 5)."""
+    if not same(forward, recompute):
+        raise differs(label, what, describe(forward), describe(recompute), hint)
 
 
 # ---------------------------------------------------------------------------
@@ -266,13 +243,10 @@ class OpTrace:
         for position, (then, now) in enumerate(
             zip(self.output_calls, (mode.makers.of(t) for t in out), strict=False)
         ):
-            if then != now:
-                raise divergence(
-                    self.label,
-                    f"its output #{position} was made by "
-                    f"{_describe_made(self.calls, then)} in the forward and by "
-                    f"{_describe_made(self.calls, now)} in the recompute",
-                )
+            expect_same(
+                self.label, f"the maker of its output #{position}", then, now,
+                describe=lambda index: _describe_made(self.calls, index),
+            )
 
     def note(self, call: Call) -> None:
         self.calls.append(call)
@@ -327,11 +301,9 @@ class TraceMode(TorchFunctionMode):
     def mismatch(self, call: Call | None) -> NondeterministicRecomputeError:
         calls = self.trace.calls
         expected = calls[self.index] if self.index < len(calls) else None
-        what = (
-            f"call #{self.index} was {_describe_call(expected)} in the forward and "
-            f"{_describe_call(call)} in the recompute"
+        return differs(
+            self.trace.label, f"call #{self.index}", _describe_call(expected), _describe_call(call)
         )
-        return divergence(self.trace.label, what)
 
 
 class _Makers:

@@ -31,9 +31,9 @@ from typing import Any, TypeVar
 from torch import nn
 
 from .. import policies
-from .._api import check_options
 from .._declared_layers import is_declared_layer
 from .._modules import unwrap
+from .._options import check_options
 from ..compat import checkpoint
 from ..policies import PolicyLike
 

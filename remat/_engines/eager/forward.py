@@ -14,10 +14,8 @@ from ..._compat import current_autograd_node, no_dispatch_modes
 from ..._compile import uncompiled
 from ..._errors import RematError
 from ..._policy.base import Decision
-from ..._replay.checks import (
-    saved_signature,
-)
 from ..._replay.modes import RecordMode
+from ..._replay.saved_signatures import saved_signature
 from .recompute import RecomputingFrame
 from .state import (
     _HOOKS_REFUSED,

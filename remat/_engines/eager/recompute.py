@@ -14,9 +14,7 @@ from ..._compile import uncompiled
 from ..._errors import NondeterministicRecomputeError, RematError
 from ..._offload.store import Offloaded
 from ..._pytree import tensor_leaves
-from ..._replay.checks import (
-    CURES,
-)
+from ..._replay.checks import differs
 from ..._replay.modes import ReplayMode, side_by_side
 from ..._replay.rng import check_batched_recompute
 from ..autograd_inside import GradWatch, OutsideGradError, feeds
@@ -91,11 +89,10 @@ class RecomputingFrame(FinishingFrame):
         # holds every recomputed tensor until the garbage collector runs.
         self.needed = {}
         if missing:
-            raise NondeterministicRecomputeError(
-                f"remat: the recompute of {self.region.label} differs from its forward: it "
-                f"saved {next(self.recompute_counter)} tensors, the forward "
-                f"{len(self.holders)}: it ran different ops the second time. Its gradients "
-                f"would be wrong. {CURES}" + self._logs(replay)
+            raise differs(
+                self.region.label, "the number of tensors it saved", len(self.holders),
+                next(self.recompute_counter), ": it ran different ops the second time",
+                self._logs(replay),
             )
 
     def grad_watch(self) -> contextlib.AbstractContextManager[Any]:

@@ -21,7 +21,7 @@ from ..._offload.selection import current_store
 from ..._policy.name_check import check_names
 from ..._pytree import check_outputs_visible, flatten_region_io
 from ..._replay.autocast import AutocastState
-from ..._replay.checks import OpTrace, divergence
+from ..._replay.checks import OpTrace, differs
 from ..._replay.modes import RecordMode, ReplayMode
 from ..._replay.records import OpLog
 from ..._replay.rng import RngState, generators_of, vmap_levels
@@ -176,10 +176,7 @@ class _Call:
                 positions,
             )
         elif out_treedef != self.out_treedef or positions != self.out_positions:
-            raise divergence(
-                self.region.label,
-                f"it returned {out_treedef}, and the forward returned {self.out_treedef}",
-            )
+            raise differs(self.region.label, "its output structure", self.out_treedef, out_treedef)
         return tuple(out_leaves[i] for i in positions)
 
     def run_as_differentiated(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
