@@ -3,13 +3,12 @@
 NOTE [ Thread state ]
 1. All of remat's per-thread state is one typed object, `local` (a `ThreadState`
    on a ``threading.local``): no module keeps a thread-local of its own, and no
-   field is added on the fly. (One module-level flag is left:
-   ``_engines/lowered_names.naming``, set around a lowered region's trace.)
+   field is added on the fly.
 2. Each field has one owner module, named at the field: only the owner writes
    it (through the owner's functions and context managers); other modules read
-   it, or call the owner. ``internal_depth`` is the one field with inlined
-   writers (``_engines/escapes.py``, ``_replay/checks.py``: per-call hot paths),
-   each an exact copy of `internal`.
+   it, or call the owner. ``internal_depth`` is written only here: `internal`,
+   or, on per-call hot paths (``_engines/escape_notes.py``, ``_replay/checks.py``),
+   ``with INTERNAL:``, the same count without a generator.
 3. Dynamo traces reads and writes of these fields (``torch.compile`` of a lowered
    region reads ``lowering_depth``): keep them plain attributes, no properties.
 """
@@ -23,6 +22,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 __all__ = [
+    "INTERNAL",
     "ThreadState",
     "engine_maps_slots",
     "entered_internally",
@@ -41,7 +41,7 @@ class ThreadState(threading.local):
         #: inside). Owner: this module (`recomputing`).
         self.recompute_depth = 0
         #: Eager frames whose forward or recompute is running, innermost last.
-        #: Owner: ``_engines/eager.py``.
+        #: Owner: ``_engines/eager/``.
         self.frames: list[Any] = []
         #: Op recorders (`RecordMode`) that `checkpoint_name` reports to, innermost
         #: last. Owner: ``_replay/modes.py``.
@@ -51,7 +51,7 @@ class ThreadState(threading.local):
         self.last_regions: list[Any] = []
         #: How many of remat's own blocks of tensor work (snapshots, copies) are
         #: running inside a user function: calls made there are not the function's.
-        #: Owner: this module (`internal`; NOTE rule 2 names its inlined copies).
+        #: Owner: this module (`internal`, `INTERNAL`).
         self.internal_depth = 0
         #: This thread's identity, for hooks that may run on another thread (a plain
         #: object, not ``threading.get_ident()``: Dynamo traces attribute reads).
@@ -60,14 +60,14 @@ class ThreadState(threading.local):
         #: The torch.func engine's op substitutions running on this thread, innermost
         #: last. While one runs, that engine maps the tensors ``fn`` reads (module
         #: slots included) itself, writing no slot (`engine_maps_slots`).
-        #: Owner: ``_engines/functional.py``.
+        #: Owner: ``_engines/functional/``.
         self.substitutions: list[Any] = []
         #: An as-is inspection running on this thread (``_inspect._AsIs``): the eager
         #: engine builds region frames through it, so it can read what they keep.
         #: Owner: ``_inspect/``.
         self.inspecting: Any = None
         #: `StateGuard`s recording which modules run, innermost last.
-        #: Owner: ``_capture/module_state.py``.
+        #: Owner: ``_capture/watching.py``.
         self.state_guards: list[Any] = []
         #: Runs of a region's function being traced for the determinism check
         #: (`OpTrace`/`TraceMode`), innermost last; None while a region called
@@ -80,6 +80,11 @@ class ThreadState(threading.local):
         #: rule 5).
         #: Owner: ``_engines/lowered.py``.
         self.lowering_depth = 0
+        #: Whether the outermost lowered region being traced on this thread has a
+        #: policy that reads names (NOTE [ Names under torch.compile ] rule 1): a
+        #: trace on another thread, with another policy, must not see it.
+        #: Owner: ``_engines/lowered.py``.
+        self.lowering_names = False
 
 
 local = ThreadState()
@@ -127,6 +132,22 @@ def recomputing() -> Iterator[None]:
         yield
     finally:
         local.recompute_depth -= 1
+
+
+class _InternalWork:
+    """`internal` as a plain object: entering it costs no generator (a per-call hot path)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        local.internal_depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        local.internal_depth -= 1
+
+
+#: ``with INTERNAL:`` marks its body as remat's own work, as `internal` does.
+INTERNAL = _InternalWork()
 
 
 @contextlib.contextmanager

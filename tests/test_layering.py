@@ -204,3 +204,92 @@ def test_the_checker_sees_private_torch() -> None:
         "torch.utils.checkpoint._CachingTorchDispatchMode",
         "torch.nn.modules.module._global_forward_pre_hooks",
     }
+
+
+# -- each per-thread field has one owner (NOTE [ Thread state ] rule 2) ---------
+
+_STATE_MODULE = "remat._state"
+_MUTATORS = frozenset({"append", "pop", "remove", "clear", "extend", "insert"})
+
+
+def field_owners() -> dict[str, str]:
+    """Each `ThreadState` field -> the module or package prefix its comment names owner."""
+    lines = (PACKAGE / "_state.py").read_text().splitlines()
+    owners: dict[str, str] = {}
+    owner: str | None = None
+    for line in lines:
+        found = line.partition("Owner: ")[2]
+        if found:
+            path = found.split("``")[1] if found.startswith("``") else None
+            owner = _STATE_MODULE if path is None else "remat." + path.removesuffix(
+                ".py").strip("/").replace("/", ".")
+        field = line.strip().partition(" = ")[0].partition(":")[0]
+        if field.startswith("self.") and owner is not None:
+            owners[field.removeprefix("self.")] = owner
+            owner = None
+    return owners
+
+
+def field_writes(source: str, fields: set[str]) -> set[tuple[int, str]]:
+    """(line, field) of each direct write of ``local.<field>`` (or ``state.<field>``)."""
+
+    def is_field(node: ast.AST) -> bool:
+        return (
+            isinstance(node, ast.Attribute)
+            and node.attr in fields
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("local", "state")
+        )
+
+    found: set[tuple[int, str]] = set()
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _MUTATORS
+        ):
+            targets = [node.func.value]
+        for target in targets:
+            for part in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if is_field(part):
+                    assert isinstance(part, ast.Attribute)
+                    found.add((node.lineno, part.attr))
+    return found
+
+
+def test_every_thread_state_field_names_its_owner() -> None:
+    from remat._state import ThreadState
+
+    assert set(field_owners()) == set(vars(ThreadState()))
+    for field, owner in field_owners().items():
+        assert owner in modules() or any(m.startswith(owner + ".") for m in modules()), (
+            f"ThreadState.{field}: its owner {owner} is no module of remat"
+        )
+
+
+def test_only_its_owner_writes_a_thread_state_field() -> None:
+    owners = field_owners()
+    strangers = {
+        f"{name}:{line} writes {field} (owner: {owners[field]})"
+        for name, path in modules().items()
+        for line, field in field_writes(path.read_text(), set(owners))
+        if not (name == owners[field] or name.startswith(owners[field] + "."))
+    }
+    assert not strangers, "call the owner's function instead: " + ", ".join(sorted(strangers))
+
+
+def test_the_checker_sees_a_stranger_write_a_field() -> None:
+    source = (
+        "local.internal_depth += 1\n"
+        "local.inspecting, local.frames = None, []\n"
+        "state.traces.append(None)\n"
+        "other.internal_depth = 0\n"
+    )
+    assert field_writes(source, {"internal_depth", "inspecting", "frames", "traces"}) == {
+        (1, "internal_depth"), (2, "inspecting"), (2, "frames"), (3, "traces"),
+    }

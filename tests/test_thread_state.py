@@ -6,6 +6,7 @@ import ast
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 import remat
@@ -69,3 +70,18 @@ def test_a_wrapped_forward_guards_its_modules() -> None:
     plain.remat_guards_modules = True  # type: ignore[attr-defined]  # no duck typing
     assert not isinstance(plain, GuardsItsModules)
     assert state_guard_of(plain).watch is True
+
+
+def test_internal_work_nests_unwinds_and_stays_on_its_thread() -> None:
+    """`internal` and ``with INTERNAL:``, the one writer of ``internal_depth``, count alike."""
+    from remat._state import INTERNAL, internal
+
+    seen: list[int] = []
+    with internal(), INTERNAL:
+        assert local.internal_depth == 2
+        worker = threading.Thread(target=lambda: seen.append(local.internal_depth))
+        worker.start()
+        worker.join()
+    with pytest.raises(KeyError, match="inside"), INTERNAL:
+        raise KeyError("inside")
+    assert seen == [0] and local.internal_depth == 0

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .._state import local
+from .._state import INTERNAL, local
 
 __all__ = ["EscapeNotes"]
 
@@ -124,12 +124,9 @@ class EscapeNotes(TorchFunctionMode):
         index = self.count
         self.count += 1
         # Our reads (``is_floating_point``) are torch calls: modes below must not number
-        # them (`internal`, inlined: this runs on every call of the forward).
-        local.internal_depth += 1
-        try:
+        # them (`INTERNAL`: this runs on every call of the forward).
+        with INTERNAL:
             self._note(index, func, args, kwargs, arg_leaves, leaves)
-        finally:
-            local.internal_depth -= 1
 
     def _note(
         self,

@@ -88,7 +88,7 @@ from .._replay.rng import RngState
 from .._replay.traits import draws_random as _draws_random
 from .._replay.traits import traits as _traits
 from .._state import local
-from .lowered_names import NAME_OP, Producers, naming
+from .lowered_names import NAME_OP, Producers
 from .region import Region
 
 __all__ = ["contexts_for", "lowers", "run_lowered"]
@@ -131,14 +131,14 @@ def run_lowered(
     body = functools.partial(_body, fn, eager, kwargs)
     context_fn: Any = region.selective
     local.lowering_depth += 1
-    naming[0] = region.policy.uses_names
+    local.lowering_names = region.policy.uses_names
     try:
         return torch_checkpoint.checkpoint(
             body, *args, use_reentrant=False, context_fn=context_fn
         )
     finally:
         local.lowering_depth -= 1
-        naming[0] = False
+        local.lowering_names = False
 
 
 def _body(fn: Callable[..., Any], eager: Eager, kwargs: dict[str, Any], *args: Any) -> Any:

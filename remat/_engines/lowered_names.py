@@ -1,7 +1,9 @@
 """Names in lowered regions: `checkpoint_name` as an op AOTAutograd's trace sees.
 
 NOTE [ Names under torch.compile ]
-1. Traced inside a lowered region whose policy reads names, `checkpoint_name`
+1. Traced inside a lowered region whose policy reads names (on this thread:
+   ``lowering_names`` of the thread state, set by ``lowered.py`` around the
+   outermost lowered region's trace), `checkpoint_name`
    calls the custom op ``remat::checkpoint_name(x, name)`` on each tensor, so
    the name reaches AOTAutograd's trace of the region, where the region's
    forward mode (``lowered.py``) sees it. Anywhere else it stays Python and
@@ -45,14 +47,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .._compat import activation_memory_budget, torch_tree_leaves
 from .._policy.base import Decision, Policy
+from .._state import local
 
-__all__ = ["NAME_OP", "Producers", "naming", "traced_name"]
+__all__ = ["NAME_OP", "Producers", "traced_name"]
 
 T = TypeVar("T")
-
-#: Whether the outermost lowered region being traced has a policy that reads
-#: names (NOTE rule 1). A list: Dynamo tracks mutations of module-level lists.
-naming = [False]
 
 
 @torch.library.custom_op("remat::checkpoint_name", mutates_args=())
@@ -82,7 +81,7 @@ def traced_name(x: T, name: str) -> T:
     The op's output is not used: ``x`` itself goes on, as in eager mode (NOTE
     rule 4), and the op is marked a side effect so the graph keeps it.
     """
-    if naming[0]:
+    if local.lowering_names:  # this thread traces a lowered region that reads names
         leaves = [x] if isinstance(x, torch.Tensor) else torch_tree_leaves(x)
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):

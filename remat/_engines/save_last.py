@@ -39,15 +39,16 @@ NOTE [ The save-last chain ]
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
 
 from .._state import local
 
-__all__ = ["Demotable", "become_latest", "mark_outputs"]
+__all__ = ["Demotable", "become_latest", "mark_outputs", "separate_list"]
 
 #: The key of a latest region's mark in a ``grad_fn`` node's ``metadata``.
 _MARK = "remat.save_last"
@@ -120,3 +121,17 @@ def _metadata(node: Any) -> dict[str, Any]:
     # A property on every graph node; torch's stub types it as a method.
     metadata: dict[str, Any] = node.metadata
     return metadata
+
+
+@contextlib.contextmanager
+def separate_list() -> Iterator[None]:
+    """Run the body with a save-last list of its own on this thread (an inspection's).
+
+    The regions it runs neither demote nor are demoted by those around it; the
+    thread's list is as it was afterwards.
+    """
+    previous, local.last_regions = local.last_regions, []
+    try:
+        yield
+    finally:
+        local.last_regions = previous

@@ -22,6 +22,7 @@ import torch
 from .._compat import TorchDispatchMode, storage_address
 from .._engines.eager import Frame, Holder
 from .._engines.region import Region
+from .._engines.save_last import separate_list
 from .._replay.records import OpRecord
 from .._replay.tags import TAG
 from .._state import local
@@ -252,17 +253,17 @@ class AsIs:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        previous = (local.inspecting, local.last_regions)  # one save-last list, both engines
-        local.inspecting, local.last_regions = self, []
+        previous, local.inspecting = local.inspecting, self
         try:
             with (
+                separate_list(),  # one save-last list, both engines: the inspection's own
                 torch.enable_grad(),
                 _MadeMode(),
                 torch.autograd.graph.saved_tensors_hooks(self.pack, _identity),
             ):
                 yield
         finally:
-            local.inspecting, local.last_regions = previous
+            local.inspecting = previous
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         self.saved.append(t)

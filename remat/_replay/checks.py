@@ -51,6 +51,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .._errors import NondeterministicRecomputeError
+from .._state import INTERNAL
 from .._state import local as state
 
 __all__ = [
@@ -278,11 +279,8 @@ class TraceMode(TorchFunctionMode):
         if not (state.traces and state.traces[-1] is self and not state.internal_depth):
             return func(*args, **(kwargs or {}))
         # Reading shapes is a torch call (a property) that modes below must not number.
-        state.internal_depth += 1
-        try:
+        with INTERNAL:
             call = (func, arg_shapes(args, kwargs))
-        finally:
-            state.internal_depth -= 1
         self.note(call)
         out = func(*args, **(kwargs or {}))
         self.makers.note(optree.tree_leaves(out, none_is_leaf=False), self.index - 1)
