@@ -18,7 +18,6 @@ results; nothing here measures time.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import pathlib
 import sys
@@ -87,26 +86,10 @@ def eager_engine(
 
 
 def compiled_step(model: demo.Stack, x: torch.Tensor, policy: str) -> dict[str, Any]:
-    """One compiled step under ``policy``: what its graphs save and recompute, gradients."""
-    script = _compiled_script()
-    model.loss(x, policy)  # build the regions before Dynamo traces
-    capture = script.Capture()
+    """One compiled step under ``policy``: what its graphs save and recompute, gradients
+    (``compiled.py``'s `compiled_step`, on a fresh Dynamo cache)."""
     torch._dynamo.reset()
-    loss = torch.compile(script.own_code(model, policy), backend=capture.backend, dynamic=False)
-    model.zero_grad(set_to_none=True)
-    loss(x).backward()
-    saved = [script.saved(gm, 1) for gm in capture.forward]
-    return {
-        "graphs": len(capture.forward),
-        "saved": sum(s[0] for s in saved),
-        "random_states": sum(s[1] for s in saved),
-        "matmuls": sum(
-            str(node.target) in script.MATMULS
-            for gm in capture.backward
-            for node in gm.graph.nodes
-        ),
-        "grads": _grads(model),
-    }
+    return _compiled_script().compiled_step(model, x, policy)[1]  # type: ignore[no-any-return]
 
 
 def _grads(model: demo.Stack) -> list[torch.Tensor]:
@@ -127,10 +110,10 @@ def measure(model: demo.Stack, x: torch.Tensor) -> list[dict[str, Any]]:
         rows.append({
             "policy": policy,
             "graphs": compiled["graphs"],
-            "compiled_saved_bytes": compiled["saved"],
-            "compiled_random_states": compiled["random_states"],
+            "compiled_saved_bytes": compiled["saved_bytes"],
+            "compiled_random_states": compiled["saved_random_states"],
             "eager_held_bytes": eager["held"],
-            "compiled_backward_matmuls": compiled["matmuls"],
+            "compiled_backward_matmuls": compiled["backward_matmuls"],
             "eager_backward_matmuls": eager["matmuls"],
             "compiled_grad_diff": _diff(compiled["grads"], reference),
             "eager_grad_diff": _diff(eager["grads"], reference),
@@ -158,20 +141,16 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None, small: bool = False) -> dict[str, Any]:
     """Run the benchmark and print the table; return the results."""
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    defaults = {"depth": 4, "width": 128, "heads": 4, "batch": 8, "seq": 128}
-    if small:
-        defaults |= {"depth": 2, "width": 16, "heads": 2, "batch": 2, "seq": 8}
-    for name, default in defaults.items():
-        parser.add_argument(f"--{name}", type=int, default=default)
-    args = parser.parse_args([] if argv is None and small else argv)
-    torch.set_num_threads(1)
-    model = demo.Stack(depth=args.depth, width=args.width, heads=args.heads)
-    x = demo.make_input(model, batch=args.batch, seq=args.seq)
+    script = _compiled_script()
+    _, model, x, config = script.sized_stack(
+        __doc__,
+        {"depth": 4, "width": 128, "heads": 4, "batch": 8, "seq": 128},
+        {"depth": 2, "width": 16, "heads": 2, "batch": 2, "seq": 8},
+        argv,
+        small,
+    )
     rows = measure(model, x)
-    config = {k: getattr(args, k) for k in defaults} | {"backend": "aot_eager"}
-    print(f"GPT-style stack {config}, float32, torch {torch.__version__}, {sys.platform}")
-    print(markdown(rows))
+    script.report(config, markdown(rows))
     return {"config": config, "rows": rows}
 
 

@@ -83,27 +83,39 @@ class Capture:
         self.backend = aot_autograd(fw_compiler=keep(self.forward), bw_compiler=keep(self.backward))
 
 
+def compiled_step(
+    model: demo.Stack, x: torch.Tensor, checkpointing: str
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], dict[str, Any]]:
+    """Compile ``model.loss`` under ``checkpointing`` and run one training step.
+
+    Returns the compiled loss and what its graphs did: how many forward graphs,
+    the bytes and random states they save for backward (`saved`), the backward's
+    matmuls, and the gradients.
+    """
+    model.loss(x, checkpointing)  # build the variant's wrappers before Dynamo traces
+    capture = Capture()
+    loss = torch.compile(own_code(model, checkpointing), backend=capture.backend, dynamic=False)
+    model.zero_grad(set_to_none=True)
+    loss(x).backward()
+    kept = [saved(gm, 1) for gm in capture.forward]
+    return loss, {
+        "graphs": len(capture.forward),
+        "saved_bytes": sum(k[0] for k in kept),
+        "saved_random_states": sum(k[1] for k in kept),
+        "backward_matmuls": sum(
+            str(node.target) in MATMULS for gm in capture.backward for node in gm.graph.nodes
+        ),
+        "grads": [p.grad.clone() for p in model.parameters() if p.grad is not None],
+    }
+
+
 def measure(model: demo.Stack, x: torch.Tensor, repeats: int) -> list[dict[str, Any]]:
     """Compile each variant once, then time interleaved repetitions."""
     steps, rows = {}, {}
     torch._dynamo.reset()
     for label, checkpointing in VARIANTS:
-        model.loss(x, checkpointing)  # build the variant's wrappers before Dynamo traces
-        capture = Capture()
-        loss = torch.compile(own_code(model, checkpointing), backend=capture.backend, dynamic=False)
-        model.zero_grad(set_to_none=True)
-        loss(x).backward()
-        steps[label] = loss
-        rows[label] = {
-            "variant": label,
-            "graphs": len(capture.forward),
-            "saved_bytes": sum(saved(gm, 1)[0] for gm in capture.forward),
-            "saved_random_states": sum(saved(gm, 1)[1] for gm in capture.forward),
-            "backward_matmuls": sum(
-                str(node.target) in MATMULS for gm in capture.backward for node in gm.graph.nodes
-            ),
-            "grads": [p.grad.clone() for p in model.parameters() if p.grad is not None],
-        }
+        steps[label], row = compiled_step(model, x, checkpointing)
+        rows[label] = {"variant": label} | row
     times: dict[str, list[float]] = {label: [] for label in steps}
     labels = list(steps)
     for r in range(repeats):
@@ -161,22 +173,47 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None, small: bool = False) -> dict[str, Any]:
-    """Run the benchmark and print the table; return the results."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    defaults = {"depth": 8, "width": 128, "heads": 4, "batch": 8, "seq": 128, "repeats": 7}
-    if small:
-        defaults |= {"depth": 2, "width": 16, "heads": 2, "batch": 2, "seq": 8, "repeats": 1}
+def sized_stack(
+    doc: str | None,
+    sizes: dict[str, int],
+    small_sizes: dict[str, int],
+    argv: Sequence[str] | None,
+    small: bool,
+) -> tuple[argparse.Namespace, demo.Stack, torch.Tensor, dict[str, Any]]:
+    """The command line of a compiled-stack benchmark: its sizes, the stack and its input.
+
+    ``sizes`` are the defaults (``small_sizes`` replace them with ``small``); each
+    is an ``--option``. Returns the parsed arguments, the stack, its input and
+    the configuration to report.
+    """
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    defaults = sizes | small_sizes if small else sizes
     for name, default in defaults.items():
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args([] if argv is None and small else argv)
     torch.set_num_threads(1)
     model = demo.Stack(depth=args.depth, width=args.width, heads=args.heads)
     x = demo.make_input(model, batch=args.batch, seq=args.seq)
-    rows = measure(model, x, args.repeats)
     config = {k: getattr(args, k) for k in defaults} | {"backend": "aot_eager"}
+    return args, model, x, config
+
+
+def report(config: dict[str, Any], table: str) -> None:
     print(f"GPT-style stack {config}, float32, torch {torch.__version__}, {sys.platform}")
-    print(markdown(rows))
+    print(table)
+
+
+def main(argv: Sequence[str] | None = None, small: bool = False) -> dict[str, Any]:
+    """Run the benchmark and print the table; return the results."""
+    args, model, x, config = sized_stack(
+        __doc__,
+        {"depth": 8, "width": 128, "heads": 4, "batch": 8, "seq": 128, "repeats": 7},
+        {"depth": 2, "width": 16, "heads": 2, "batch": 2, "seq": 8, "repeats": 1},
+        argv,
+        small,
+    )
+    rows = measure(model, x, args.repeats)
+    report(config, markdown(rows))
     return {"config": config, "rows": rows}
 
 

@@ -3,7 +3,8 @@
 Policies every engine test runs under, example programs and inputs, references
 without remat (`grads`, `check_remat`, `train_both`), comparisons
 (`assert_close_all`, `tree_close`), op counters (`OpCounter`, `RecomputeCounter`
-with `assert_recomputed`), script loading and multi-process workers.
+with `assert_recomputed`) and script loading. Process groups for the
+distributed tests: ``tests/distributed/process_group.py``.
 """
 
 from __future__ import annotations
@@ -11,18 +12,13 @@ from __future__ import annotations
 import collections
 import importlib.util
 import pathlib
-import socket
 import sys
-import tempfile
-import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
 import optree
-import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -277,53 +273,6 @@ def stack(fn: Callable[..., torch.Tensor], n: int) -> Callable[..., torch.Tensor
         return x
 
     return run
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_workers(
-    worker: Callable[[int, int, str], None], world: int, timeout_s: float, attempts: int = 2
-) -> list[Any]:
-    """Run ``worker(rank, port, out_dir)`` in ``world`` spawned processes.
-
-    Each worker joins a process group on ``127.0.0.1:port`` and saves its
-    results to ``out_dir/rank{rank}.pt``; returns them by rank. Fails the test
-    when the workers are not done within ``timeout_s`` (a collective hang) on
-    each of ``attempts`` tries. About one run in six of the two-process gloo
-    group hangs here with or without remat (measured on the code before and
-    after remat's torch.func changes: 1 of 5 and 1 of 6 runs), so a hung try is
-    killed and the group started again on a fresh port.
-    """
-    for attempt in range(attempts):
-        with tempfile.TemporaryDirectory() as out_dir:
-            if _workers_finished(worker, world, timeout_s, out_dir):
-                return [torch.load(pathlib.Path(out_dir) / f"rank{r}.pt") for r in range(world)]
-        if attempt + 1 == attempts:
-            pytest.fail(f"the workers did not finish within {timeout_s} s, {attempts} times")
-    raise AssertionError("unreachable")
-
-
-def _workers_finished(
-    worker: Callable[[int, int, str], None], world: int, timeout_s: float, out_dir: str
-) -> bool:
-    context = mp.start_processes(
-        worker, args=(_free_port(), out_dir), nprocs=world, join=False, start_method="spawn"
-    )
-    try:
-        # ``join`` returns False as soon as one worker ends while another runs.
-        deadline = time.monotonic() + timeout_s
-        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() > deadline:
-                return False
-        return True
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
 
 
 Fn = Callable[..., Any]

@@ -8,27 +8,19 @@ backward and the parameters after each step, gathered whole.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import run_workers
+from process_group import DISTRIBUTED, run_in_group
 from torch import nn
 
 import remat
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.skipif(
-        not dist.is_available() or not dist.is_gloo_available(),
-        reason="torch.distributed with gloo is not available",
-    ),
-]
+pytestmark = DISTRIBUTED
 
 WORLD = 2
-TIMEOUT_S = 60  # a run takes ~8 s alone; a hung try is started again (helpers.run_workers)
+TIMEOUT_S = 60  # a run takes ~8 s alone; a hung try is started again (process_group.run_in_group)
 STEPS = 2
 WIDTH = 16
 
@@ -129,41 +121,32 @@ def _stage_regions(policy: str) -> nn.Module:
     return fully_shard(nn.Sequential(*stages, model[4]))  # type: ignore[no-any-return]
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
-    try:
-        results: dict[str, Any] = {}
-        for policy, order, reshard, _ in CONFIGS:
-            results[f"{policy} {order} {reshard}"] = _train(_sharded(policy, order, reshard), rank)
-        # Mixed precision: bf16 compute, against the same FSDP model without remat.
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+def _collect(rank: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for policy, order, reshard, _ in CONFIGS:
+        results[f"{policy} {order} {reshard}"] = _train(_sharded(policy, order, reshard), rank)
+    # Mixed precision: bf16 compute, against the same FSDP model without remat.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        bf16 = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
-        results["bf16"] = [
-            _train(_sharded(policy, "wrap-then-shard", True, **bf16), rank)
-            for policy in ("dots-saveable", None)
-        ]
-        x, y = _data(0, rank)
-        stages = _stage_regions("nothing-saveable")  # records no ops: FSDP runs as usual
-        nn.functional.mse_loss(stages(x), y).backward()
-        results["stages nothing-saveable"] = [_whole(p.grad) for p in stages.parameters()]
-        try:  # last: the error leaves this model's FSDP state mid-forward
-            _stage_regions("dots-saveable")(x)
-        except remat.RematError as error:
-            results["stages dots-saveable"] = str(error)
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    bf16 = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
+    results["bf16"] = [
+        _train(_sharded(policy, "wrap-then-shard", True, **bf16), rank)
+        for policy in ("dots-saveable", None)
+    ]
+    x, y = _data(0, rank)
+    stages = _stage_regions("nothing-saveable")  # records no ops: FSDP runs as usual
+    nn.functional.mse_loss(stages(x), y).backward()
+    results["stages nothing-saveable"] = [_whole(p.grad) for p in stages.parameters()]
+    try:  # last: the error leaves this model's FSDP state mid-forward
+        _stage_regions("dots-saveable")(x)
+    except remat.RematError as error:
+        results["stages dots-saveable"] = str(error)
+    return results
 
 
 @pytest.fixture(scope="module")
-def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # stay on 127.0.0.1
-    request.addfinalizer(monkeypatch.undo)
-    return run_workers(_worker, WORLD, TIMEOUT_S)
+def results() -> list[dict[str, Any]]:
+    return run_in_group(_collect, WORLD, TIMEOUT_S)
 
 
 @pytest.mark.parametrize(("policy", "order", "reshard", "recomputes"), CONFIGS)

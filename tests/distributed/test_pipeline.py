@@ -12,26 +12,19 @@ without remat.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import load_script, run_workers
+from helpers import load_script
+from process_group import DISTRIBUTED, run_in_group
 from torch import nn
 
 import remat
 from remat._demo_model import Stack
 from remat._inspect.memory import MemoryMeter
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.skipif(
-        not dist.is_available() or not dist.is_gloo_available(),
-        reason="torch.distributed with gloo is not available",
-    ),
-]
+pytestmark = DISTRIBUTED
 
 WORLD = 2
 TIMEOUT_S = 180  # ~15 s alone, ~85 s on 2 shared cores under load; a hung try is started again
@@ -112,27 +105,17 @@ def _step(rank: int, schedule_name: str, policy: str | None) -> dict[str, Any]:
     }
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
-    try:
-        results = {
-            (schedule, policy): _step(rank, schedule, policy)
-            for schedule in SCHEDULES
-            for policy in (*POLICIES, None)
-        }
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _collect(rank: int) -> dict[Any, Any]:
+    return {
+        (schedule, policy): _step(rank, schedule, policy)
+        for schedule in SCHEDULES
+        for policy in (*POLICIES, None)
+    }
 
 
 @pytest.fixture(scope="module")
-def results(request: pytest.FixtureRequest) -> list[dict[Any, Any]]:
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # stay on 127.0.0.1
-    request.addfinalizer(monkeypatch.undo)
-    return run_workers(_worker, WORLD, TIMEOUT_S)
+def results() -> list[dict[Any, Any]]:
+    return run_in_group(_collect, WORLD, TIMEOUT_S)
 
 
 def _expected_grads() -> dict[str, torch.Tensor]:
@@ -196,23 +179,14 @@ def test_peak_per_stage_is_below_no_remat(results: list[dict[Any, Any]], schedul
             assert peaks["nothing-saveable"] < peaks["save-last"], (rank, peaks)
 
 
-def _benchmark_worker(rank: int, port: int, out_dir: str) -> None:
+def _benchmark(rank: int) -> Any:
     bench = load_script("benchmarks", "pipeline")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
-    try:
-        torch.save(bench.measure(rank, bench.SMALL), Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    return bench.measure(rank, bench.SMALL)
 
 
-def test_benchmark_runs_small_and_reports_what_the_tests_assert(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+def test_benchmark_runs_small_and_reports_what_the_tests_assert() -> None:
     bench = load_script("benchmarks", "pipeline")
-    results = run_workers(_benchmark_worker, WORLD, TIMEOUT_S)
+    results = run_in_group(_benchmark, WORLD, TIMEOUT_S)
     for rows in results:
         for schedule in SCHEDULES:
             plain = rows[f"{schedule} None"]

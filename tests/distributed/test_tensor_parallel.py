@@ -13,25 +13,18 @@ parallelism, and torch's own refusal of ``torch.func`` over DTensor layers
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import OpCounter, run_workers
+from helpers import OpCounter
+from process_group import DISTRIBUTED, run_in_group
 from torch import nn
 
 import remat
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.skipif(
-        not dist.is_available() or not dist.is_gloo_available(),
-        reason="torch.distributed with gloo is not available",
-    ),
-]
+pytestmark = DISTRIBUTED
 
 WORLD = 2
 TIMEOUT_S = 180  # ~15 s alone, ~85 s on 2 shared cores under load; a hung try is started again
@@ -151,34 +144,25 @@ def _two_d(policy: str) -> dict[str, torch.Tensor]:
     return _whole(model)
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _collect(rank: int) -> dict[Any, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        results: dict[Any, Any] = {policy: _step(_parallel(mesh), policy) for policy in POLICIES}
-        for policy in ("nothing-saveable", "dots-saveable"):
-            results["2-D", policy] = _two_d(policy)
-        results["torch.func", None] = _torch_func_error(_parallel(mesh))
-        wrapped = _parallel(mesh)
-        for block in wrapped:
-            remat.wrap(block, policy="dots-saveable")
-        results["torch.func", "dots-saveable"] = _torch_func_error(wrapped)
-        results["functional engine"] = _functional_engine_error(mesh)
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    results: dict[Any, Any] = {policy: _step(_parallel(mesh), policy) for policy in POLICIES}
+    for policy in ("nothing-saveable", "dots-saveable"):
+        results["2-D", policy] = _two_d(policy)
+    results["torch.func", None] = _torch_func_error(_parallel(mesh))
+    wrapped = _parallel(mesh)
+    for block in wrapped:
+        remat.wrap(block, policy="dots-saveable")
+    results["torch.func", "dots-saveable"] = _torch_func_error(wrapped)
+    results["functional engine"] = _functional_engine_error(mesh)
+    return results
 
 
 @pytest.fixture(scope="module")
-def results(request: pytest.FixtureRequest) -> list[dict[Any, Any]]:
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # stay on 127.0.0.1
-    request.addfinalizer(monkeypatch.undo)
-    return run_workers(_worker, WORLD, TIMEOUT_S)
+def results() -> list[dict[Any, Any]]:
+    return run_in_group(_collect, WORLD, TIMEOUT_S)
 
 
 def _expected() -> dict[str, torch.Tensor]:
