@@ -217,6 +217,7 @@ def save_from_both_policies(a: Policy, b: Policy) -> Policy:
         TypeError: when ``a`` or ``b`` is not a :class:`Policy`.
 
     >>> import torch
+    >>> from remat.policies import save_anything_except_these_names
     >>> p = save_from_both_policies(save_anything_except_these_names("a"), dots_saveable)
     >>> p.decide(p.decide_op(torch.ops.aten.mm.default, (), {}), "a")
     <Decision.SAVE: 2>
