@@ -25,6 +25,14 @@ NOTE [ Budget plans ]
    of every op output of the region.
 5. Regions with regions inside (nested `remat` calls) are planned as keeping
    nothing: the inner regions' recompute rules are not in the model.
+6. Never more than no remat. The eager engine holds a region's inputs for its
+   recompute; autograd alone would free those it saves nothing of (Llama's
+   ``position_ids``). So a call whose plan recomputes nothing runs as plain
+   autograd (`plain_call`: what no remat holds, exactly), and a plan that
+   recomputes keeps at most ``full - those inputs' bytes`` (its budget is cut
+   so): the region then holds no more than no remat does. (Where those inputs
+   alone outweigh every activation, no plan short of keeping everything can
+   promise that; the budget wins.)
 """
 
 from __future__ import annotations
@@ -42,10 +50,20 @@ from .._policy.base import Decision, Policy
 from .._policy.budget import MemoryBudget
 from .._policy.op_cost import op_cost
 from .._policy.planner import Needed, Outcome, Program, evaluate, solve
+from .._pytree import tensor_leaves
 from .._replay.records import OpLog, OpRecord
 from .region import Region
 
-__all__ = ["BudgetPlan", "Planned", "Planning", "log_policy", "plan_key", "plans_of", "settle"]
+__all__ = [
+    "BudgetPlan",
+    "Planned",
+    "Planning",
+    "log_policy",
+    "plain_call",
+    "plan_key",
+    "plans_of",
+    "settle",
+]
 
 #: (op index, output position, holder clock) of a value autograd saved.
 Saved = tuple[int, int, int]
@@ -207,12 +225,17 @@ def log_policy(region: Region, inputs: Sequence[torch.Tensor], engine: str) -> P
 
 
 def settle(
-    log: OpLog, saved: Iterable[Saved] | None, baseline: Iterable[torch.Tensor]
+    log: OpLog,
+    saved: Sequence[Saved] | None,
+    inputs: Sequence[torch.Tensor],
+    outside: Sequence[torch.Tensor] = (),
 ) -> frozenset[int]:
     """End of a forward: plan a first call, check a later one; return the records dropped.
 
     ``saved``: the values autograd saved (the eager engine), or None (the
-    torch.func engine: every output counts as read, NOTE rule 4).
+    torch.func engine: every output counts as read, NOTE rule 4). ``inputs``:
+    the region's tensor inputs; ``outside``: other tensors autograd saved that
+    the region did not make (closed-over tensors, parameters, inputs).
     """
     policy = log.policy
     if isinstance(policy, Planned):
@@ -222,9 +245,11 @@ def settle(
         return _apply(log, frozenset())
     if not isinstance(policy, Planning):
         return frozenset()
-    program, op_bytes = build_program(log, saved, baseline)
+    program, op_bytes = build_program(log, saved, [*inputs, *outside])
     full = program.full_bytes()
     budget = policy.budget.budget_bytes(full)
+    if budget < full and saved is not None:  # NOTE rule 6
+        budget = max(0, min(budget, full - _frame_only_bytes(log, saved, inputs, outside)))
     if log.regions:  # NOTE rule 5
         outcome = dataclasses.replace(evaluate(program, ()), solver="nested regions: keep nothing")
     else:
@@ -232,6 +257,38 @@ def settle(
     plan = _plan(policy, log, program, outcome, budget, full, op_bytes)
     plans_of(policy.region)[policy.key] = plan
     return _apply(log, plan.kept)
+
+
+def _frame_only_bytes(
+    log: OpLog,
+    saved: Sequence[Saved],
+    inputs: Sequence[torch.Tensor],
+    outside: Sequence[torch.Tensor],
+) -> int:
+    """Bytes of the inputs only the engine holds (autograd saves nothing of them; NOTE rule 6).
+
+    Autograd may save an input itself (``outside``) or a view the region made of it
+    (``cos.unsqueeze(1)`` in rotary embeddings): both keep its storage.
+    """
+    held = {storage_address(physical(t)) for t in outside}
+    for index, position, _ in saved:
+        kept = log.records[index].kept_at(position)
+        if kept is not None:
+            held.add(storage_address(physical(kept)))
+    out: dict[int, int] = {}
+    for t in inputs:
+        address = storage_address(physical(t))
+        if address and address not in held:
+            out[address] = physical(t).untyped_storage().nbytes()
+    return sum(out.values())
+
+
+def plain_call(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this eager call's plan recomputes nothing: it runs as plain autograd (rule 6)."""
+    if not isinstance(region.policy, MemoryBudget):
+        return False
+    plan = plans_of(region).get(plan_key(region, tensor_leaves((args, kwargs)), "eager"))
+    return plan is not None and not plan.runs
 
 
 def _plan(

@@ -26,12 +26,18 @@ NOTE [ The budget planner ]
    integer, run and hold bits continuous: they come out 0/1 from the keep
    bits), solved exactly by HiGHS through ``scipy.optimize.milp`` with no
    optimality gap: the recompute cost is optimal, so it never grows when the
-   budget grows. HiGHS explores at most `NODE_LIMIT` branch-and-bound nodes;
-   where the limit comes first, the better of its best solution and the
-   rounding below is taken, and monotonicity is not proven for that region.
-   Above: the LP relaxation, rounded at each distinct threshold
-   and checked with `evaluate`; the best rounding that fits wins (keeping
-   nothing always fits). Both are deterministic: a node limit, no time limit.
+   budget grows. HiGHS explores at most `NODE_LIMIT` branch-and-bound nodes.
+   Where the limit comes first, and for regions above `EXACT_LIMIT`, the plan
+   is the cheapest that fits of one *frontier* per program: kept sets found
+   at `GRID` fixed budgets (``k / GRID`` of the full bytes) - the LP
+   relaxation rounded at its thresholds, and, up to `EXACT_LIMIT` ops, the
+   MILP's best solution there - plus keeping nothing. The frontier does not
+   depend on the budget asked, so a larger budget chooses among a superset:
+   these plans are monotone by construction (`Frontier`). (A budget proven
+   optimal beside one planned from the frontier is compared with nothing: the
+   frontier's plan is no worse than the optimum at each grid budget below
+   it, not proven against off-grid ones.) Both are deterministic: a node
+   limit, no time limit.
 5. `evaluate` simulates the engine for a kept set; the plan reports its
    numbers (held bytes, recompute cost), which tests compare with what the
    engine then holds and recomputes.
@@ -40,17 +46,33 @@ NOTE [ The budget planner ]
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 
 import numpy as np
 
-__all__ = ["EXACT_LIMIT", "NODE_LIMIT", "Needed", "Outcome", "Program", "evaluate", "solve"]
+__all__ = [
+    "EXACT_LIMIT",
+    "GRID",
+    "NODE_LIMIT",
+    "Frontier",
+    "Needed",
+    "Outcome",
+    "Program",
+    "evaluate",
+    "frontier",
+    "solve",
+]
 
 #: Largest region (ops) planned exactly; larger ones get the rounded LP (NOTE rule 4).
 EXACT_LIMIT = 600
 #: Branch-and-bound nodes HiGHS may explore: a count, not a time, so the plan stays
 #: the same on every machine (NOTE rule 4). A 2-layer BERT encoder needed ~90 s unbounded.
 NODE_LIMIT = 200
+#: The frontier's fixed budgets: ``k / GRID`` of the full bytes (NOTE rule 4).
+GRID = 8
+#: Roundings tried per LP solution: at most this many thresholds, evenly spaced.
+ROUNDINGS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +153,50 @@ def solve(program: Program, budget: int) -> Outcome:
     if not any(program.keepable):
         return evaluate(program, (), "nothing keepable")
     if program.size <= EXACT_LIMIT:
-        return _exact(program, budget)
-    return _rounded(program, budget)
+        exact = _exact(program, budget)
+        if exact is not None:
+            return exact
+    return frontier(program).best(budget)
+
+
+@dataclasses.dataclass(frozen=True)
+class Frontier:
+    """Kept sets found at fixed budgets, cheapest first among those that hold less.
+
+    ``plans`` is sorted by held bytes, each cheaper than every one before it: the
+    Pareto front of the candidates (NOTE rule 4).
+    """
+
+    plans: tuple[Outcome, ...]
+
+    def best(self, budget: int) -> Outcome:
+        """The cheapest plan within ``budget``: a larger budget never costs more."""
+        fits = [p for p in self.plans if p.held_bytes <= budget]
+        return fits[-1]  # keeping nothing (0 bytes) is always on the front
+
+
+def frontier(program: Program) -> Frontier:
+    """The program's frontier (NOTE rule 4); the same whichever budget asks first."""
+    return _frontier(program, GRID, NODE_LIMIT, EXACT_LIMIT)
+
+
+@functools.lru_cache(maxsize=16)
+def _frontier(program: Program, grid: int, node_limit: int, exact_limit: int) -> Frontier:
+    # The limits are part of the key: a frontier made under others is another one.
+    full = program.full_bytes()
+    candidates = [evaluate(program, (), "frontier")]
+    for k in range(1, grid):
+        grid_budget = full * k // grid
+        candidates += _roundings(program, grid_budget)
+        if program.size <= exact_limit:
+            kept = _milp(program, grid_budget)[0]
+            if kept is not None:
+                candidates.append(evaluate(program, kept, "frontier"))
+    front: list[Outcome] = []
+    for c in sorted(candidates, key=lambda c: (c.held_bytes, c.cost, sorted(c.kept))):
+        if not front or c.cost < front[-1].cost:
+            front.append(dataclasses.replace(c, solver="frontier of fixed budgets"))
+    return Frontier(tuple(front))
 
 
 # ---------------------------------------------------------------------------
@@ -201,7 +265,8 @@ def _matrix(rows: _Rows, columns: int) -> object:
     return coo_array((rows.vals, (rows.rows, rows.cols)), shape=(len(rows.lb), columns)).tocsr()
 
 
-def _exact(program: Program, budget: int) -> Outcome:
+def _milp(program: Program, budget: int) -> tuple[list[int] | None, bool]:
+    """HiGHS's kept set within ``budget`` (None if it found none) and whether it is optimal."""
     from scipy.optimize import Bounds, LinearConstraint, milp  # type: ignore[import-untyped]
 
     cost, rows, lower, upper = _model(program, budget)
@@ -214,19 +279,24 @@ def _exact(program: Program, budget: int) -> Outcome:
         bounds=Bounds(lower, upper),
         options={"mip_rel_gap": 0.0, "presolve": True, "node_limit": NODE_LIMIT},
     )
-    if result.status == 0:  # proven optimal
-        kept = [i for i in range(program.size) if result.x[i] > 0.5]
-        return evaluate(program, kept, "exact (HiGHS MILP)")
-    # The node limit came first: the better of HiGHS's best solution and the rounding.
-    rounded = _rounded(program, budget)
     if result.x is None:
-        return rounded
+        return None, False
     kept = [i for i in range(program.size) if result.x[i] > 0.5]
-    best = evaluate(program, kept, "HiGHS MILP at its node limit")
-    return best if best.held_bytes <= budget and best.cost <= rounded.cost else rounded
+    if evaluate(program, kept).held_bytes > budget:
+        return None, False
+    return kept, result.status == 0
 
 
-def _rounded(program: Program, budget: int) -> Outcome:
+def _exact(program: Program, budget: int) -> Outcome | None:
+    """The proven optimum within ``budget``, or None where the node limit came first."""
+    kept, optimal = _milp(program, budget)
+    if kept is None or not optimal:
+        return None
+    return evaluate(program, kept, "exact (HiGHS MILP)")
+
+
+def _roundings(program: Program, budget: int) -> list[Outcome]:
+    """The LP relaxation at ``budget``, rounded at up to `ROUNDINGS` thresholds; those that fit."""
     from scipy.optimize import linprog
 
     cost, rows, lower, upper = _model(program, budget)
@@ -238,17 +308,20 @@ def _rounded(program: Program, budget: int) -> Outcome:
         bounds=list(zip(lower, upper, strict=True)),
         method="highs-ds",
     )
-    best = evaluate(program, (), "rounded LP")
     if result.x is None:
-        return best
+        return []
     values = result.x[: program.size]
     thresholds = sorted({round(float(v), 6) for v in values if v > 1e-6}, reverse=True)
+    if len(thresholds) > ROUNDINGS:
+        step = len(thresholds) / ROUNDINGS
+        thresholds = [thresholds[int(i * step)] for i in range(ROUNDINGS)]
+    out = []
     for t in thresholds:
-        candidate = evaluate(program, [i for i in range(program.size) if values[i] >= t - 1e-9],
-                             "rounded LP")
-        if candidate.held_bytes <= budget and candidate.cost < best.cost:
-            best = candidate
-    return best
+        kept = [i for i in range(program.size) if values[i] >= t - 1e-9]
+        candidate = evaluate(program, kept, "rounded LP")
+        if candidate.held_bytes <= budget:
+            out.append(candidate)
+    return out
 
 
 def _upper_rows(rows: _Rows) -> _Rows:

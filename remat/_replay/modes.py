@@ -64,11 +64,20 @@ class RecordMode(_compat.TorchDispatchMode):
 class ReplayMode(_compat.TorchDispatchMode):
     """Recompute a region, returning kept outputs instead of running their ops."""
 
-    def __init__(self, log: OpLog, check: bool = True, live: list[bool] | None = None) -> None:
+    def __init__(
+        self,
+        log: OpLog,
+        check: bool = True,
+        live: list[bool] | None = None,
+        held: dict[tuple[int, int], torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.log = log
         self.check = check
         self.live = live
+        #: Dead ops' outputs that backward holds anyway, by (op, position): handed on
+        #: instead of stand-ins (NOTE [ Record and replay ] rule 5).
+        self.held = held or {}
         self.index = 0
         # The ops the recompute ran, for error messages. While every op matches
         # the forward (``check``) they are the forward's first ``index`` ops, so
@@ -115,12 +124,21 @@ class ReplayMode(_compat.TorchDispatchMode):
                     f"{_shape_list(arg_shapes(args, kwargs))} in the recompute",
                 )
             return _rebuild(func, _detached_aliases(kept))
-        if self.live is not None and not self.live[index] and not traits(func).view:
-            return _rebuild(func, [_stand_in(meta) for meta in rec.metas])
+        if self.live is not None and not self.live[index]:
+            dead = [self._dead(index, p, meta) for p, meta in enumerate(rec.metas)]
+            # Views always run (free), unless backward holds what they return.
+            if not traits(func).view or not any(t.is_meta for t in dead):
+                return _rebuild(func, dead)
         out = func(*args, **kwargs)
         if kept is not None:
             out = _substitute(out, kept)
         return out
+
+    def _dead(self, index: int, position: int, meta: tuple[Any, ...]) -> torch.Tensor:
+        held = self.held.get((index, position))
+        if held is not None and (held.shape, held.stride(), held.dtype) == meta:
+            return held
+        return _stand_in(meta)
 
     def mismatch(
         self, index: int, func: Any, forward_scalars: Any = None, recompute_scalars: Any = None

@@ -30,7 +30,10 @@ NOTE [ Record and replay ]
    op returns a meta tensor of the right shape and strides instead of running
    (free, and loud if anything reads it, or if a composite op above picks
    another kernel for it, as attention does on meta: the engine then
-   recomputes again with every op live). Ops that must run whatever reads them are always live:
+   recomputes again with every op live), except where backward holds that
+   output anyway: then the held tensor (free too; attention checks that its
+   query, key and value share a device, so a kept query beside a recomputed
+   value must not be a stand-in). Ops that must run whatever reads them are always live:
    random ops (the random stream), in-place and ``out=`` ops (they write through views the
    data flow does not follow) and ops whose result Python may read (``item()``,
    ``nonzero`` and every op tagged data-dependent). View ops always run: they

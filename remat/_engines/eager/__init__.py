@@ -52,6 +52,7 @@ import torch
 
 from ..._pytree import check_outputs_visible, flatten_region_io, tensor_leaves
 from ..._state import local
+from ..budget_plans import plain_call
 from ..region import Region
 from ..save_last import become_latest, mark_outputs
 from .forward import Frame
@@ -79,6 +80,8 @@ def run_eager(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if top is not None and top.phase is Phase.FORWARD:
         return _run_nested(top, region, args, kwargs)  # the outer region decides (rule 4)
     inspecting = local.inspecting  # NOTE [ Inspecting a function as it is ] (_inspect)
+    if inspecting is None and plain_call(region, args, kwargs):
+        return run_plain(region, args, kwargs)  # NOTE [ Budget plans ] rule 6
     frame = Frame(region, args, kwargs) if inspecting is None else inspecting.frame(
         region, args, kwargs
     )

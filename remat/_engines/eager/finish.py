@@ -65,7 +65,7 @@ class FinishingFrame(FrameState):
             (h.source[0].index, h.source[1], h.clock) for h in alive if h.owned and h.source
         ]
         outside = [h.tensor for h in alive if not h.owned and isinstance(h.tensor, torch.Tensor)]
-        dropped = settle(self.log, saved, [*self.inputs, *outside])
+        dropped = settle(self.log, saved, self.inputs, outside)
         if dropped:
             for holder in alive:
                 if holder.owned and holder.source and holder.source[0].index in dropped:

@@ -150,7 +150,14 @@ class RecomputingFrame(FinishingFrame):
     def _replay(self, live: list[bool] | None) -> ReplayMode | None:
         if self.log is None:
             return None
-        return ReplayMode(self.log, self.region.determinism_check, live)
+        held = None
+        if live is not None:  # what holders keep of dead ops: no stand-ins for those
+            held = {
+                (h.source[0].index, h.source[1]): h.tensor
+                for h in self.alive()
+                if h.source and isinstance(h.tensor, torch.Tensor) and not live[h.source[0].index]
+            }
+        return ReplayMode(self.log, self.region.determinism_check, live, held)
 
     def _run_recompute(self, replay: ReplayMode | None) -> None:
         self.recompute_counter = itertools.count()
