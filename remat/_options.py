@@ -66,7 +66,7 @@ def make_region(
         static_argnames=frozenset(argnames),
         offload_store=offload_store,
         engine=engine,
-        selective=contexts_for(resolved),
+        selective=contexts_for(resolved, describe_callable(fn)),
     )
 
 

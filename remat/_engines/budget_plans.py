@@ -58,6 +58,7 @@ __all__ = [
     "BudgetPlan",
     "Planned",
     "Planning",
+    "eager_plans",
     "log_policy",
     "plain_call",
     "plan_key",
@@ -99,6 +100,8 @@ class BudgetPlan:
     op_bytes: tuple[int, ...]
     kept: frozenset[int]
     runs: frozenset[int]
+    #: (shape, dtype) of each op's tensor arguments, for matching a traced region.
+    input_shapes: tuple[Any, ...] = ()
 
     def decision(self, index: int) -> Decision:
         """The decision for the outputs of op ``index``."""
@@ -313,7 +316,14 @@ def _plan(
         op_bytes=op_bytes,
         kept=outcome.kept,
         runs=outcome.runs,
+        input_shapes=tuple(rec.input_shapes for rec in log.records),
     )
+
+
+def eager_plans(policy: MemoryBudget) -> list[BudgetPlan]:
+    """Every eager plan made so far under ``policy`` (or an equal budget), for lowering."""
+    tables = [*list(_PLANS.values()), *list(_BY_REGION.values())]
+    return [p for t in tables for p in t.get(policy, {}).values() if p.engine == "eager"]
 
 
 def _apply(log: OpLog, kept: frozenset[int]) -> frozenset[int]:

@@ -61,6 +61,18 @@ NOTE [ Lowering under torch.compile ]
 10. View ops are never kept: a kept view keeps its base's storage (a value
     the policy recomputes, under ``everything-except:NAME``) and is a second
     entry for it beside a kept base; recomputed from its base, it is free.
+11. A memory budget lowers by following a plan the eager engine made (NOTE
+    [ Budget plans ]): the plan is made from an eager call, where saved-tensor
+    hooks show exactly which outputs backward reads; a traced call sees fake
+    tensors and no saved values, so it is not planned there. `_PlanSelective`
+    keeps the eager plans under the region's budget whose ops and argument
+    shapes match the traced ops so far (``view`` and ``_unsafe_view`` count as
+    one: tracing writes the second as the first) and saves what they all save
+    at that position. No plan yet (the region was compiled before any eager
+    call with these shapes), or none matching: a `RematWarning` says so and
+    the region keeps nothing from there, which fits every budget; gradients
+    are the partitioner's, exact either way. The fix is in the warning: one
+    eager call first, then compile.
 """
 
 from __future__ import annotations
@@ -68,6 +80,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -83,11 +96,15 @@ from .._compat import (
     current_level,
     dispatch_mode_stack,
 )
+from .._errors import RematWarning
 from .._policy.base import Decision, Policy
+from .._policy.budget import MemoryBudget
+from .._replay.checks import arg_shapes
 from .._replay.rng import RngState
 from .._replay.traits import draws_random as _draws_random
 from .._replay.traits import traits as _traits
 from .._state import local
+from .budget_plans import BudgetPlan, eager_plans
 from .lowered_names import NAME_OP, Producers
 from .region import Region
 
@@ -176,10 +193,76 @@ class _SelectivePolicy:
         verdict = self.verdict(op, args, kwargs)
         if verdict is None or self.policy.decide(verdict, None) is not Decision.SAVE:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        several = isinstance(getattr(ctx, "op_output", None), (tuple, list))
-        if several and activation_memory_budget() < 1:
-            return CheckpointPolicy.PREFER_SAVE  # NOTE [ Lowering under torch.compile ] rule 7
-        return CheckpointPolicy.MUST_SAVE
+        return _saved(ctx)
+
+
+def _saved(ctx: Any) -> CheckpointPolicy:
+    several = isinstance(getattr(ctx, "op_output", None), (tuple, list))
+    if several and activation_memory_budget() < 1:
+        return CheckpointPolicy.PREFER_SAVE  # NOTE [ Lowering under torch.compile ] rule 7
+    return CheckpointPolicy.MUST_SAVE
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+class _PlanSelective(_SelectivePolicy):
+    """A memory budget's eager plans, followed by position in the traced ops (rule 11).
+
+    One per traced checkpoint call (`fresh`): it counts the ops it is asked about.
+    """
+
+    def __init__(self, policy: MemoryBudget, label: str) -> None:
+        super().__init__(policy)
+        self.budget, self.label = policy, label
+        self.index = 0
+        self.plans: list[BudgetPlan] | None = None
+
+    def fresh(self) -> _PlanSelective:
+        return _PlanSelective(self.budget, self.label)
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if self.follow(op, args, kwargs) is not Decision.SAVE:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return _saved(ctx)
+
+    def follow(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Decision:
+        index, self.index = self.index, self.index + 1
+        if self.plans is None:
+            self.plans = eager_plans(self.budget)
+            if not self.plans:
+                self._warn("no eager call has made its plan yet")
+        if not self.plans:
+            return Decision.RECOMPUTE
+        shapes = arg_shapes(args, kwargs)
+        matching = [p for p in self.plans if _matches(p, index, op, shapes)]
+        if not matching:
+            self._warn(
+                f"its plan does not match the traced ops at op #{index} ({op} with "
+                f"{[tuple(s) for s, _ in shapes]})"
+            )
+        self.plans = matching
+        if not matching or super().verdict(op, args, kwargs) is None:  # rules 2 and 10
+            return Decision.RECOMPUTE
+        saves = {p.decision(index) for p in matching}
+        return Decision.SAVE if saves == {Decision.SAVE} else Decision.RECOMPUTE
+
+    def _warn(self, what: str) -> None:
+        warnings.warn(
+            f"remat: {self.label} is compiled under {self.budget!r}, but {what}: the "
+            "compiled region keeps nothing from there (within every budget; gradients "
+            "are exact). To lower its plan, call it once outside torch.compile with the "
+            "same input shapes, then compile (torch._dynamo.reset() if it was compiled "
+            "already).",
+            RematWarning,
+            stacklevel=2,
+        )
+
+
+def _matches(plan: BudgetPlan, index: int, op: Any, shapes: tuple[Any, ...]) -> bool:
+    if index >= len(plan.ops) or plan.input_shapes[index] != shapes:
+        return False
+    return plan.ops[index] is op or (plan.ops[index] in _VIEWS and op in _VIEWS)
 
 
 class _ForwardMode(CachingCheckpointMode):
@@ -261,20 +344,27 @@ class _RecomputeMode(CachedCheckpointMode):
                 restored.__exit__(None, None, None)
 
 
-def contexts_for(policy: Policy) -> Callable[[], tuple[Any, Any]] | None:
+def contexts_for(
+    policy: Policy, label: str = "a region"
+) -> Callable[[], tuple[Any, Any]] | None:
     """The ``context_fn`` that lowers ``policy``, or None when it does not lower.
 
     Made with the region, before Dynamo traces a call (it refuses a
     ``context_fn`` made while tracing), as a ``functools.partial`` of a module
     function (it refuses a callable object; a local function would not pickle).
+    ``label`` names the region in warnings.
     """
     if not policy.lowers:
         return None
+    if isinstance(policy, MemoryBudget):
+        return functools.partial(_modes, _PlanSelective(policy, label))
     return functools.partial(_modes, _SelectivePolicy(policy))
 
 
 def _modes(policy_fn: _SelectivePolicy) -> tuple[_ForwardMode, _RecomputeMode]:
     """A fresh pair of modes for one checkpoint call, sharing their storage."""
+    if isinstance(policy_fn, _PlanSelective):
+        policy_fn = policy_fn.fresh()  # it counts the call's ops
     storage: dict[Any, dict[int, Any]] = collections.defaultdict(dict)
     forward = _ForwardMode(policy_fn, storage)
     return forward, _RecomputeMode(forward, storage)

@@ -65,6 +65,12 @@ class MemoryBudget(Policy):
                     f"remat.policies.memory_budget: bytes must be an int >= 0, got {size!r}."
                 )
 
+    @property
+    def lowers(self) -> bool:
+        # Under torch.compile a region follows the eager plan made for its ops
+        # (NOTE [ Lowering under torch.compile ] rule 11, ``_engines/lowered.py``).
+        return True
+
     def decide_op(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         # The engines ask the call's plan instead (``log_policy`` in
         # ``_engines/budget_plans.py``); asked directly, keeping nothing is the one
