@@ -102,6 +102,9 @@ class BudgetPlan:
     runs: frozenset[int]
     #: (shape, dtype) of each op's tensor arguments, for matching a traced region.
     input_shapes: tuple[Any, ...] = ()
+    #: What a compiled graph saves for `kept`: a kept view's base op instead (a
+    #: lowered region never saves views; NOTE [ Lowering under torch.compile ] rule 11).
+    lowered: frozenset[int] = frozenset()
 
     def decision(self, index: int) -> Decision:
         """The decision for the outputs of op ``index``."""
@@ -317,7 +320,24 @@ def _plan(
         kept=outcome.kept,
         runs=outcome.runs,
         input_shapes=tuple(rec.input_shapes for rec in log.records),
+        lowered=_lowered(log, program, outcome.kept),
     )
+
+
+def _lowered(log: OpLog, program: Program, kept: frozenset[int]) -> frozenset[int]:
+    """`BudgetPlan.lowered`: each kept view stands for the op that made its storage."""
+    out = set()
+    for index in kept:
+        while _view_like(log.records[index].op) and program.producers[index]:
+            index = program.producers[index][0]
+        if not _view_like(log.records[index].op):
+            out.add(index)  # (a view of an input holds nothing of the region's)
+    return frozenset(out)
+
+
+def _view_like(op: Any) -> bool:
+    # Tracing writes ``_unsafe_view`` (a copy-free reshape) as ``view``.
+    return _ops.is_view(op) or str(op) == "aten._unsafe_view.default"
 
 
 def eager_plans(policy: MemoryBudget) -> list[BudgetPlan]:

@@ -68,7 +68,8 @@ NOTE [ Lowering under torch.compile ]
     keeps the eager plans under the region's budget whose ops and argument
     shapes match the traced ops so far (``view`` and ``_unsafe_view`` count as
     one: tracing writes the second as the first) and saves what they all save
-    at that position. No plan yet (the region was compiled before any eager
+    at that position, a kept view's base op in its place (rule 10; the same
+    storage, `BudgetPlan.lowered`). No plan yet (the region was compiled before any eager
     call with these shapes), or none matching: a `RematWarning` says so and
     the region keeps nothing from there, which fits every budget; gradients
     are the partitioner's, exact either way. The fix is in the warning: one
@@ -203,7 +204,8 @@ def _saved(ctx: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE
 
 
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+#: Tracing writes ``_unsafe_view`` as ``view`` (rule 11): one op for matching.
+_VIEWS = ("aten.view.default", "aten._unsafe_view.default")
 
 
 class _PlanSelective(_SelectivePolicy):
@@ -244,8 +246,7 @@ class _PlanSelective(_SelectivePolicy):
         self.plans = matching
         if not matching or super().verdict(op, args, kwargs) is None:  # rules 2 and 10
             return Decision.RECOMPUTE
-        saves = {p.decision(index) for p in matching}
-        return Decision.SAVE if saves == {Decision.SAVE} else Decision.RECOMPUTE
+        return Decision.SAVE if all(index in p.lowered for p in matching) else Decision.RECOMPUTE
 
     def _warn(self, what: str) -> None:
         warnings.warn(
@@ -262,7 +263,7 @@ class _PlanSelective(_SelectivePolicy):
 def _matches(plan: BudgetPlan, index: int, op: Any, shapes: tuple[Any, ...]) -> bool:
     if index >= len(plan.ops) or plan.input_shapes[index] != shapes:
         return False
-    return plan.ops[index] is op or (plan.ops[index] in _VIEWS and op in _VIEWS)
+    return plan.ops[index] is op or (str(plan.ops[index]) in _VIEWS and str(op) in _VIEWS)
 
 
 class _ForwardMode(CachingCheckpointMode):
