@@ -69,7 +69,9 @@ NOTE [ Lowering under torch.compile ]
     shapes match the traced ops so far (``view`` and ``_unsafe_view`` count as
     one: tracing writes the second as the first) and saves what they all save
     at that position, a kept view's base op in its place (rule 10; the same
-    storage, `BudgetPlan.lowered`). No plan yet (the region was compiled before any eager
+    storage, `BudgetPlan.lowered`); a plan that recomputes nothing saves every
+    op, as ``everything-saveable`` (the compiled backward may read values the
+    eager one does not). No plan yet (the region was compiled before any eager
     call with these shapes), or none matching: a `RematWarning` says so and
     the region keeps nothing from there, which fits every budget; gradients
     are the partitioner's, exact either way. The fix is in the warning: one
@@ -246,6 +248,8 @@ class _PlanSelective(_SelectivePolicy):
         self.plans = matching
         if not matching or super().verdict(op, args, kwargs) is None:  # rules 2 and 10
             return Decision.RECOMPUTE
+        if not any(p.runs for p in matching):  # keeps everything: as everything-saveable
+            return Decision.SAVE
         return Decision.SAVE if all(index in p.lowered for p in matching) else Decision.RECOMPUTE
 
     def _warn(self, what: str) -> None:
