@@ -64,11 +64,17 @@ class RecordMode(_compat.TorchDispatchMode):
 class ReplayMode(_compat.TorchDispatchMode):
     """Recompute a region, returning kept outputs instead of running their ops."""
 
-    def __init__(self, log: OpLog, check: bool = True, live: list[bool] | None = None) -> None:
+    def __init__(
+        self, log: OpLog, check: bool = True, live: list[bool] | None = None,
+        release: bool = False,
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.log = log
         self.check = check
         self.live = live
+        #: Release each record's kept outputs once replayed (the eager engine's
+        #: recompute after its forward: NOTE [ The eager engine ] rule 7).
+        self.release = release
         self.index = 0
         # The ops the recompute ran, for error messages. While every op matches
         # the forward (``check``) they are the forward's first ``index`` ops, so
@@ -114,12 +120,17 @@ class ReplayMode(_compat.TorchDispatchMode):
                     f"{_shape_list(rec.input_shapes)} in the forward and "
                     f"{_shape_list(arg_shapes(args, kwargs))} in the recompute",
                 )
-            return _rebuild(func, _detached_aliases(kept))
+            out = _rebuild(func, _detached_aliases(kept))
+            if self.release:
+                rec.release()
+            return out
         if self.live is not None and not self.live[index] and not traits(func).view:
             return _rebuild(func, [_stand_in(meta) for meta in rec.metas])
         out = func(*args, **kwargs)
         if kept is not None:
             out = _substitute(out, kept)
+            if self.release:
+                rec.release()
         return out
 
     def mismatch(
