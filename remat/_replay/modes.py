@@ -70,6 +70,7 @@ class ReplayMode(_compat.TorchDispatchMode):
         check: bool = True,
         live: list[bool] | None = None,
         held: dict[tuple[int, int], torch.Tensor] | None = None,
+        release: bool = False,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.log = log
@@ -78,6 +79,9 @@ class ReplayMode(_compat.TorchDispatchMode):
         #: Dead ops' outputs that backward holds anyway, by (op, position): handed on
         #: instead of stand-ins (NOTE [ Record and replay ] rule 5).
         self.held = held or {}
+        #: Release each record's kept outputs once replayed (the eager engine's
+        #: recompute after its forward: NOTE [ The eager engine ] rule 7).
+        self.release = release
         self.index = 0
         # The ops the recompute ran, for error messages. While every op matches
         # the forward (``check``) they are the forward's first ``index`` ops, so
@@ -123,7 +127,10 @@ class ReplayMode(_compat.TorchDispatchMode):
                     f"{_shape_list(rec.input_shapes)} in the forward and "
                     f"{_shape_list(arg_shapes(args, kwargs))} in the recompute",
                 )
-            return _rebuild(func, _detached_aliases(kept))
+            out = _rebuild(func, _detached_aliases(kept))
+            if self.release:
+                rec.release()
+            return out
         if self.live is not None and not self.live[index]:
             dead = [self._dead(index, p, meta) for p, meta in enumerate(rec.metas)]
             # Views always run (free), unless backward holds what they return.
@@ -132,6 +139,8 @@ class ReplayMode(_compat.TorchDispatchMode):
         out = func(*args, **kwargs)
         if kept is not None:
             out = _substitute(out, kept)
+            if self.release:
+                rec.release()
         return out
 
     def _dead(self, index: int, position: int, meta: tuple[Any, ...]) -> torch.Tensor:

@@ -141,7 +141,12 @@ def test_held_and_peak_never_above_no_remat(case: str) -> None:
     plain = _memory(out(model))
     dots = _memory(out(remat.remat(model, policy="dots-saveable", engine="eager")))
     # The finding: a hand policy holds (LoRA) or peaks (BERT) above no remat.
-    assert dots[case == "bert"] > plain[case == "bert"]
+    # Since kept outputs are released once the recompute has replayed them, BERT's
+    # dots-saveable peak is down to no remat's (it was 2 KiB above); LoRA still holds more.
+    if case == "lora":
+        assert dots[0] > plain[0]
+    else:
+        assert dots[1] == plain[1]
     for fraction in (0.0, 0.3, 0.5, 0.9):
         region = remat.remat(model, policy=f"budget:{fraction}", engine="eager")
         held, _ = _memory(out(region))

@@ -41,6 +41,13 @@ NOTE [ The eager engine ]
    small or strided tensors), region inputs, parameters and their views, region
    outputs (alive anyway), values mutated after they were kept, and everything
    produced during another region's recompute (needed again at once).
+7. Kept op outputs go once the recompute has read them: the replay releases each
+   record it passes, and the recompute releases the rest of the log when it is
+   done (not a recompute inside the forward: the forward goes on recording).
+   What backward reads, its holders keep, each until backward consumes it. Every
+   holder is full then; one that empties again (a kept tensor written in place,
+   a demotion) makes a second recompute, which runs the released ops again from
+   the region's inputs, with every check.
 """
 
 from __future__ import annotations

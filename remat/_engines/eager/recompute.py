@@ -67,10 +67,12 @@ class RecomputingFrame(FinishingFrame):
         self.stop_at = max(self.needed)
         restored = self.offloaded.restore(before=max(h.clock for h in self.needed.values()))
         live = self.liveness(alive) if self.log is not None else None
-        replay = self._replay(live)
         # Backward inside the region's own forward (``torch.autograd.grad`` in
-        # ``fn``): the recording mode must not see the recompute's ops.
+        # ``fn``): the recording mode must not see the recompute's ops, and the
+        # log must keep what it kept (the forward goes on recording).
         in_forward = self.phase is Phase.FORWARD
+        self.replay_releases = not in_forward
+        replay = self._replay(live)
         try:
             with no_dispatch_modes() if in_forward else contextlib.nullcontext():
                 try:
@@ -94,6 +96,25 @@ class RecomputingFrame(FinishingFrame):
                 next(self.recompute_counter), ": it ran different ops the second time",
                 self._logs(replay),
             )
+        if not in_forward:
+            self.release_replayed()
+
+    def release_replayed(self) -> None:
+        """After a recompute: the log lets go of every kept output (NOTE [ The eager
+        engine ] rule 7).
+
+        Every holder backward still references is full now, so no recompute reads
+        the kept outputs again unless a holder empties (a kept tensor written in
+        place, a demotion): that recompute runs the ops again, from the region's
+        inputs, with every check. What backward reads, its holders keep, and each
+        goes as backward consumes its holder instead of when the region's whole
+        graph is freed.
+        """
+        if self.log is None:
+            return
+        for record in self.log.records:
+            record.release()
+        self.offloaded.prune()
 
     def grad_watch(self) -> contextlib.AbstractContextManager[Any]:
         """A `GradWatch` for a recompute whose forward ran a backward, else nothing.
@@ -157,7 +178,9 @@ class RecomputingFrame(FinishingFrame):
                 for h in self.alive()
                 if h.source and isinstance(h.tensor, torch.Tensor) and not live[h.source[0].index]
             }
-        return ReplayMode(self.log, self.region.determinism_check, live, held)
+        return ReplayMode(
+            self.log, self.region.determinism_check, live, held, release=self.replay_releases
+        )
 
     def _run_recompute(self, replay: ReplayMode | None) -> None:
         self.recompute_counter = itertools.count()

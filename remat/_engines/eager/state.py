@@ -157,6 +157,9 @@ class FrameState:
         self.phase = Phase.FORWARD
         self.recompute_counter: Any = None
         self.needed: dict[int, Holder] = {}
+        #: Whether the running recompute's replay releases what it replays (NOTE [ The
+        #: eager engine ] rule 7): not in a recompute inside the forward.
+        self.replay_releases = False
         self.stop_at = -1
         store = current_store(region.offload_store)
         #: Offloaded op outputs (NOTE [ Offloaded outputs ]); the serial orders this
