@@ -63,6 +63,11 @@ from .stateful import is_stateful
 __all__ = ["Bindings", "find_closed_over", "is_tracked"]
 
 _MAX_DEPTH = 8
+#: Values that hold no tensor and own no attributes worth walking.
+_ATOMS = frozenset(
+    {int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device,
+     types.ModuleType}
+)
 _PYTREE_TYPES = (list, tuple, dict)
 
 
@@ -333,6 +338,8 @@ class _Walker:
         where: str,
         depth: int,
     ) -> None:
+        if type(value) in _ATOMS:  # most attributes (a module's flags and sizes)
+            return
         if isinstance(value, torch.Tensor):
             self.bind(value, get, set_, where)
         elif isinstance(value, _PYTREE_TYPES):
@@ -364,7 +371,7 @@ class _Walker:
         if positions or any(isinstance(leaf, torch.Tensor) for leaf in leaves):
             self.bindings.add(_Slot(get, set_, where, positions, leaves, treedef), leaves)
         for leaf in leaves:
-            if not isinstance(leaf, torch.Tensor):
+            if type(leaf) not in _ATOMS and not isinstance(leaf, torch.Tensor):
                 self.value_owner(leaf, f"an element of {where}", depth + 1)
 
     def bind(

@@ -128,9 +128,13 @@ def _unpartial(
 def _flat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
     """An op's arguments as one list when none is a container (most ops), else None."""
     flat = [*args, *kwargs.values()]
-    if any(isinstance(x, (list, tuple, dict)) for x in flat):
-        return None
+    for x in flat:  # a loop, not any(): this runs for every op
+        if isinstance(x, _CONTAINERS):
+            return None
     return flat
+
+
+_CONTAINERS = (list, tuple, dict)
 
 def _outer_views(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """``tensors`` as the innermost running substitution maps them (a nested region)."""

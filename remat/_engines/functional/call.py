@@ -91,12 +91,12 @@ class _Call:
         self.out_leaves: list[Any] = []
         self.out_positions: list[int] = []
         self.log: OpLog | None = None
-        #: Levels live where the region was called: a wrapper at one of them that
-        #: ``fn`` uses inside the forward must be an input (NOTE [ The functional engine ] rule 2).
-        self.outer_levels = {i.level() for i in interpreters()}
         #: The transforms live at the call, (kind, level), for the vmap rule
         #: (NOTE [ The functional engine ] rule 10).
         self.transforms = [(i.key(), i.level()) for i in interpreters()]
+        #: Levels live where the region was called: a wrapper at one of them that
+        #: ``fn`` uses inside the forward must be an input (NOTE [ The functional engine ] rule 2).
+        self.outer_levels = {level for _, level in self.transforms}
         #: The backwards that may still read the forward's records (rule 13).
         self.backwards = Backwards(self.transforms)
         self.guard: _HiddenInputGuard | None = None
@@ -233,5 +233,9 @@ class _Call:
     def recompute(self, replay: bool) -> contextlib.AbstractContextManager[None]:
         """What the forward saw (NOTE [ The recompute context ]); replaying if ``replay``."""
         log = self.log if replay else None
+        if log is not None and not any(r.holds_outputs() for r in log.records):
+            # Nothing to replay (a demoted save-last region whose base policy keeps
+            # nothing): the recompute runs as nothing-saveable's, checked by the trace.
+            log = None
         mode = None if log is None else ReplayMode(log, check=self.region.determinism_check)
         return recompute_context(self.rng, self.autocast, mode)
