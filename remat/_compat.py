@@ -37,6 +37,7 @@ __all__ = [
     "OpOverloadPacket",
     "TorchDispatchMode",
     "activation_memory_budget",
+    "backward_keeps_graph",
     "current_autograd_node",
     "current_level",
     "dispatch_mode_stack",
@@ -214,6 +215,17 @@ def keeping_version_counters() -> AbstractContextManager[Any]:
 def current_autograd_node() -> Any:
     """The autograd node whose backward runs on this thread, or None (private, 2.13)."""
     return torch._C._current_autograd_node()
+
+
+def backward_keeps_graph() -> bool:
+    """Whether the backward running on this thread keeps its graph (``retain_graph``).
+
+    False means autograd frees each node's saved tensors once it has run, so no
+    later backward can run that node again. Autograd exposes the running graph
+    task's ``keep_graph`` only privately (2.13); torch.func.grad's own backward
+    passes ``retain_graph=False``, a ``vjp_fn`` ``True`` by default.
+    """
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
 
 
 def _has_python_key(t: torch.Tensor) -> bool:

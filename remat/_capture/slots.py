@@ -104,18 +104,21 @@ def watch_slots(
     # recompute renormalizes an already renormalized weight, which changes nothing.
     renorms = isinstance(module, nn.Embedding) and module.max_norm is not None
     watched = []
-    # Our copies are no ops of the region (nor calls of its function).
-    with no_dispatch_modes(), internal(), torch.no_grad():
-        for parameter, table, name, t in new:
-            known.add((id(table), name, id(t)))
-            small = not parameter and t.numel() * t.element_size() <= SNAPSHOT_BYTES
-            snapshot = t.detach().clone() if stateful or small else None
-            watched.append(
-                Watched(
-                    where, table, name, t, t._version, snapshot, parameter, parameter and renorms
-                )
-            )
+    for parameter, table, name, t in new:
+        known.add((id(table), name, id(t)))
+        small = not parameter and t.numel() * t.element_size() <= SNAPSHOT_BYTES
+        snapshot = _snapshot(t) if stateful or small else None
+        watched.append(
+            Watched(where, table, name, t, t._version, snapshot, parameter, parameter and renorms)
+        )
     return watched
+
+
+def _snapshot(t: torch.Tensor) -> torch.Tensor:
+    # Our copies are no ops of the region (nor calls of its function). Entered per
+    # copy: most slots (parameters of modules that are not stateful) copy nothing.
+    with no_dispatch_modes(), internal(), torch.no_grad():
+        return t.detach().clone()
 
 
 def linked_copy(current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,22 @@ NOTE [ The functional engine ]
    captures it again by the number of the torch call that made it. Under the
    vmap rule (rule 10) it is found inside the vmapped run and leaves the twin as
    an extra batched output (rule 6 there).
+13. Lifetimes: the eager engine's floor. A call holds no more than its backward
+   needs, for no longer. After ``apply`` it lets go of the tensor arguments it
+   handed over (`Arguments.let_go`; a `Released` stand-in keeps each one's place
+   in the substitution table), so only autograd's saved inputs keep them, and a
+   backward that does not keep its graph (``torch.func.grad``'s own,
+   ``retain_graph=False``) frees each region's inputs once it has run, as the
+   eager engine does. The backward's ``vjp_fn`` runs once, keeping its graph
+   only where the backward is differentiated (rule 4), so the recompute's
+   activations go as its backward consumes them. Once the last backward that
+   can come has run (`Backwards`: at most one per reverse level live at the
+   call, and one for eager autograd, none keeping its graph) the forward's
+   records go too (policy-saved outputs, a ``save_last`` region's everything).
+   A ``vjp_fn`` keeps its graph and may be called again: it keeps them.
+   Parameters passed to ``functional_call`` without ``.detach()`` require grad
+   below every level, so eager autograd may differentiate the backward (rule
+   4): its graph is kept, as ``torch.func.grad`` without remat keeps it.
 """
 
 from __future__ import annotations
@@ -166,4 +182,5 @@ def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
     count = len(flat_out) - len(call.escapes.found)
     flat_out, escaped = flat_out[:count], list(flat_out[count:])
     call.escapes.adopt(escaped)
+    call.let_go_of_arguments()
     return call.unflatten_output(flat_out)

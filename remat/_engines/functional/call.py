@@ -25,28 +25,17 @@ from ..._replay.checks import OpTrace, differs
 from ..._replay.modes import RecordMode, ReplayMode
 from ..._replay.records import OpLog
 from ..._replay.rng import RngState, generators_of, vmap_levels
-from ..._state import is_recomputing
 from ..budget_plans import settle
 from ..escapes import EscapeWatch
 from ..offloaded import OffloadedOutputs
 from ..recompute import recompute_context
 from ..region import Region
-from .arguments import (
-    _argument_objects,
-    _handed_over,
-    _outer_views,
-    args_with,
-    kwargs_with,
-)
+from .arguments import Arguments, _argument_objects, _outer_views
+from .differentiated import run_as_differentiated
 from .guard import _Births, _HiddenInputGuard, unsubstituted_error
-from .levels import (
-    _below_all_levels,
-    _differentiable,
-    _forward_ad_active,
-    _inference_mode_errors,
-    _tracked,
-)
-from .recording import _new_log, offload_kept
+from .levels import _below_all_levels, _inference_mode_errors, _tracked
+from .lifetime import Backwards
+from .recording import _new_log, offload_at_forward_end
 from .substitution import _Substitution
 
 
@@ -69,7 +58,7 @@ class _Call:
         self.user_fn = fn
         #: The user's own arguments: ``fn`` runs on them, not on copies
         #: (NOTE [ The functional engine ] rule 2).
-        self.args, self.kwargs = args, kwargs
+        self.arguments = Arguments(args, kwargs)
         tree: Any = (args, kwargs)
         leaves: list[Any] = flatten_region_io(tree)[0]
         self.leaves = leaves
@@ -94,9 +83,6 @@ class _Call:
         self.inputs: tuple[torch.Tensor, ...] = _outer_views(self.originals)
         #: Per op of the first run (the forward): which leaves were which input.
         self.reads: list[tuple[Any, tuple[tuple[int, int], ...]]] | None = None
-        #: Positions of the arguments (and keyword names) that are tensors themselves.
-        self.tensor_args = [(i, x) for i, x in enumerate(args) if _handed_over(x)]
-        self.tensor_kwargs = [(k, x) for k, x in kwargs.items() if _handed_over(x)]
         #: Inputs the backward will differentiate (NOTE [ The functional engine ] rule 7).
         self.differentiated = [i for i, t in enumerate(self.inputs) if _tracked(t)]
         #: Whether a backward will come (of this call, or of the call a vmap twin is for).
@@ -105,12 +91,14 @@ class _Call:
         self.out_leaves: list[Any] = []
         self.out_positions: list[int] = []
         self.log: OpLog | None = None
-        #: Levels live where the region was called: a wrapper at one of them that
-        #: ``fn`` uses inside the forward must be an input (NOTE [ The functional engine ] rule 2).
-        self.outer_levels = {i.level() for i in interpreters()}
         #: The transforms live at the call, (kind, level), for the vmap rule
         #: (NOTE [ The functional engine ] rule 10).
         self.transforms = [(i.key(), i.level()) for i in interpreters()]
+        #: Levels live where the region was called: a wrapper at one of them that
+        #: ``fn`` uses inside the forward must be an input (NOTE [ The functional engine ] rule 2).
+        self.outer_levels = {level for _, level in self.transforms}
+        #: The backwards that may still read the forward's records (rule 13).
+        self.backwards = Backwards(self.transforms)
         self.guard: _HiddenInputGuard | None = None
         self.rng: RngState | None = None
         #: The generators' states when the forward ended, and its vmap levels.
@@ -141,8 +129,8 @@ class _Call:
             # linked copy of a parameter) read the Function's views too.
             with substitution, self.state.guarded(), self.trace.watching(), \
                     _inference_mode_errors(self.region):
-                out = self.fn(*args_with(self.args, self.tensor_args, table),
-                              **kwargs_with(self.kwargs, self.tensor_kwargs, table))
+                args, kwargs = self.arguments.with_views(table)
+                out = self.fn(*args, **kwargs)
         except RuntimeError as e:
             if "wrapped->level() < level" not in str(e):
                 raise
@@ -181,34 +169,7 @@ class _Call:
 
     def run_as_differentiated(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Run ``fn`` as the backward's ``vjp`` will, so both see the same aten ops."""
-        if not self.differentiated:
-            return self.run(tensors)
-        kinds: list[bool] = []
-
-        def primal(
-            *moved: torch.Tensor,
-        ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-            if self.guard is not None:
-                self.guard.know(moved)
-            self.escapes.taint(moved)
-            full = list(tensors)
-            for i, t in zip(self.differentiated, moved, strict=True):
-                full[i] = t
-            out = self.run(full)
-            kinds[:] = [_differentiable(t) for t in out]
-            # vjp takes floating outputs only; integer ones travel as aux.
-            return (
-                tuple(t for t in out if _differentiable(t)),
-                tuple(t for t in out if not _differentiable(t)),
-            )
-
-        with torch.enable_grad():
-            result: Any = torch.func.vjp(
-                primal, *(tensors[i] for i in self.differentiated), has_aux=True
-            )
-        floats, others = result[0], result[2]
-        it_f, it_o = iter(floats), iter(others)
-        return tuple(next(it_f) if k else next(it_o) for k in kinds)
+        return run_as_differentiated(self, tensors)
 
     def unflatten_output(self, flat: Sequence[torch.Tensor]) -> Any:
         leaves = list(self.out_leaves)
@@ -238,8 +199,10 @@ class _Call:
             self.guard = None
         self.rng_after = self.rng.now() if self.rng is not None else None
         out, escaped = self.escapes.collect(out) if self.differentiated else (out, ())
-        if self.log is not None:
-            self.offload_kept(tensors, (*out, *escaped))
+        if self.log is not None and self.differentiable:
+            # Region inputs, parameters (inputs here) and outputs are alive anyway.
+            alive = (*tensors, *out, *escaped)
+            offload_at_forward_end(self.log, self.offloaded, self.region, alive)
         # autograd.Function refuses to save an input it also returns as-is: return a view.
         given = {id(t) for t in tensors}
         return (*(t.view_as(t) if id(t) in given else t for t in out), *escaped)
@@ -255,22 +218,24 @@ class _Call:
         self.log, self.rng, self.rng_after = twin.log, twin.rng, twin.rng_after
         self.offloaded.adopt(twin.offloaded)
 
-    # -- offload (NOTE [ The functional engine ] rule 8) ----------------------------------
+    # -- lifetimes (NOTE [ The functional engine ] rule 13) -------------------------------
 
-    def offload_kept(self, tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:
-        """End of forward: move kept ``OFFLOAD`` outputs to the host store (rule 8)."""
-        assert self.log is not None, "this is a bug in remat, please report it"
-        if (
-            not self.differentiable  # no backward will come
-            or is_recomputing()  # needed again at once
-            or _forward_ad_active()  # the backward recomputes in full (rule 3)
-            or self.region.policy.saves_latest_region
-        ):
-            return
-        # Region inputs, parameters (inputs here) and outputs are alive anyway.
-        offload_kept(self.log, self.offloaded, (*tensors, *out))
+    def let_go_of_arguments(self) -> None:
+        """After ``apply``: hold the handed-over argument tensors no more (autograd saves them)."""
+        self.originals = self.arguments.let_go(self.originals)
+        self.inputs, self.leaves = (), []
+
+    def backward_ran(self, inputs: Sequence[torch.Tensor]) -> None:
+        """After a backward: let the forward's records go once no backward can come again."""
+        if self.backwards.ran(inputs):
+            self.log = None
+
     def recompute(self, replay: bool) -> contextlib.AbstractContextManager[None]:
         """What the forward saw (NOTE [ The recompute context ]); replaying if ``replay``."""
         log = self.log if replay else None
+        if log is not None and not any(r.holds_outputs() for r in log.records):
+            # Nothing to replay (a demoted save-last region whose base policy keeps
+            # nothing): the recompute runs as nothing-saveable's, checked by the trace.
+            log = None
         mode = None if log is None else ReplayMode(log, check=self.region.determinism_check)
         return recompute_context(self.rng, self.autocast, mode)

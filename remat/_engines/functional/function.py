@@ -74,10 +74,11 @@ def _backward(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.T
     restored = call.offloaded.restore() if replay else []
     try:
         with contextlib.nullcontext() if keep_graph else torch.no_grad():
-            found = _recompute_vjp(call, inputs, wanted, grads, replay=replay)
+            found = _recompute_vjp(call, inputs, wanted, grads, replay, keep_graph)
     finally:
         if replay:
             call.offloaded.drop(restored)
+    call.backward_ran(inputs)  # NOTE [ The functional engine ] rule 13
     result: list[torch.Tensor | None] = [None] * len(inputs)
     for i, g in zip(wanted, found, strict=True):
         result[i] = g
@@ -92,6 +93,7 @@ def _vmap_rule(
     twin = batched_twin(call, tensors, runner)
     out: tuple[torch.Tensor, ...] = _RematFunction.apply(twin, *twin.inputs)  # type: ignore[no-untyped-call]
     call.adopt(twin)
+    twin.let_go_of_arguments()  # NOTE [ The functional engine ] rule 13
     return out, runner.out_dims
 
 def _jvp(ctx: Any, tangents: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
@@ -130,6 +132,7 @@ def _recompute_vjp(
     wanted: list[int],
     grads: tuple[torch.Tensor | None, ...],
     replay: bool,
+    keep_graph: bool,
 ) -> tuple[torch.Tensor, ...]:
     outputs = [i for i, g in enumerate(grads) if g is not None and _is_float(call, i)]
     # Differentiate what the forward differentiated (NOTE [ The functional engine ] rule 7),
@@ -139,7 +142,10 @@ def _recompute_vjp(
     with call.recompute(replay):
         primal = _partial(call, inputs, moving, outputs)
         vjp_fn = torch.func.vjp(primal, *(inputs[i] for i in moving))[1]
-    found: tuple[torch.Tensor, ...] = vjp_fn(tuple(grads[i] for i in outputs))
+    # Called once: the recompute's graph goes as its backward consumes it, unless
+    # something differentiates this backward (rule 13).
+    cotangents = tuple(grads[i] for i in outputs)
+    found: tuple[torch.Tensor, ...] = vjp_fn(cotangents, retain_graph=keep_graph)
     return tuple(found[moving.index(i)] for i in wanted)
 
 

@@ -14,10 +14,12 @@ import torch
 from ..._compat import physical, storage_address
 from ..._policy.base import Decision, Policy
 from ..._replay.records import OpLog
+from ..._state import is_recomputing
 from ..budget_plans import log_policy
 from ..offloaded import OffloadedOutputs
 from ..region import Region
 from ..save_last import become_latest
+from .levels import _forward_ad_active
 
 
 class _SaveAllWhileLatest(Policy):
@@ -64,9 +66,18 @@ def _demote(log: OpLog, base: Policy) -> None:
     log.demote(base)
 
 
-def offload_kept(log: OpLog, offloaded: OffloadedOutputs, alive: Sequence[torch.Tensor]) -> None:
-    """Move the log's kept ``OFFLOAD`` outputs to the host store (NOTE [ The functional
-    engine ] rule 8), except values sharing storage with ``alive`` (they free nothing)."""
+def offload_at_forward_end(
+    log: OpLog, offloaded: OffloadedOutputs, region: Region, alive: Sequence[torch.Tensor]
+) -> None:
+    """End of a forward some level differentiates: move kept ``OFFLOAD`` outputs to the host
+    store (NOTE [ The functional engine ] rule 8), except values sharing storage with
+    ``alive`` (they free nothing)."""
+    if (
+        is_recomputing()  # needed again at once
+        or _forward_ad_active()  # the backward recomputes in full (rule 3)
+        or region.policy.saves_latest_region
+    ):
+        return
     addresses = {storage_address(physical(t)) for t in alive}
     for index, record in enumerate(log.records):
         for position, t in record.unwritten_outputs():

@@ -12,7 +12,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..._compat import interpreters, is_functorch_wrapped, unwrap_once
+from ..._compat import current_level, is_functorch_wrapped, unwrap_once
 from ..._state import local
 from .arguments import (
     _flat,
@@ -62,8 +62,9 @@ class _Substitution(TorchFunctionMode):
         self.watched = call.reached if call.reads is None else {}
         self.call = call
         self.view_ids = {id(t) for t in table.values()}
-        #: How many transforms are live where ``fn`` starts: more, and ``fn`` runs one.
-        self.depth = len(interpreters())
+        #: The innermost level where ``fn`` starts: a deeper one, and ``fn`` runs a
+        #: transform (levels are numbered by depth).
+        self.depth = current_level() or 0
 
     def lifted(self, leaf: torch.Tensor) -> None:
         """Refuse a tensor ``fn`` reached that a transform inside ``fn`` wrapped itself.
@@ -118,7 +119,7 @@ class _Substitution(TorchFunctionMode):
             new = self.table.get(id(leaf))
             if new is None and is_functorch_wrapped(leaf):
                 if inner is None:  # once per call, and only for a wrapped leaf not mapped
-                    inner = len(interpreters()) > self.depth
+                    inner = (current_level() or 0) > self.depth
                 if inner:
                     self.lifted(leaf)
             if new is None and expected:

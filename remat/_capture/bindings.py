@@ -1,0 +1,144 @@
+"""What the closure walk found: each slot that holds tensors ``fn`` reads, and its snapshot.
+
+NOTE [ Closed-over tensors ] rules 2 and 4 (in ``_capture/closure.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from .._compat import is_functorch_wrapped, storage_identity, torch_function_disabled
+from .._errors import SavedInputMutatedError
+
+__all__ = ["Bindings", "Slot", "is_tracked"]
+
+
+def is_tracked(t: torch.Tensor) -> bool:
+    """Whether some transform or eager autograd could want a gradient for ``t``."""
+    return is_functorch_wrapped(t) or t.requires_grad
+
+
+@dataclasses.dataclass(eq=False)
+class Slot:
+    """A place that holds tensors ``fn`` reads: ``get()``/``set(v)`` access its value."""
+
+    get: Callable[[], Any]
+    set: Callable[[Any], None]
+    where: str
+    #: Positions of the tracked tensor leaves in ``leaves``.
+    positions: tuple[int, ...]
+    #: The slot's value as the call saw it (``optree.tree_flatten(get())`` then): a
+    #: container mutated or a variable rebound after the call does not change what
+    #: the recompute sees.
+    leaves: list[Any]
+    treedef: Any
+    #: Position, version and storage after the forward of each tensor leaf an op read.
+    read_versions: list[tuple[int, int, int | None]] = dataclasses.field(default_factory=list)
+    #: Whether an in-place change of that tensor before the recompute raises.
+    checked: bool = True
+
+
+@dataclasses.dataclass
+class Bindings:
+    """The closed-over tracked tensors of one function and the slots that hold them."""
+
+    tensors: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    #: Where each tensor was found ("closure variable 'w' of f").
+    _where: list[str] = dataclasses.field(default_factory=list)
+    _slots: list[tuple[Slot, list[int]]] = dataclasses.field(default_factory=list)
+    _index: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        """Human-readable location of each tensor, with its shape and dtype."""
+        # Built on demand (error messages): formatting shapes costs more than the walk.
+        return [f"{w} ({_describe(t)})" for w, t in zip(self._where, self.tensors, strict=True)]
+
+    def add(self, slot: Slot, leaves: Sequence[torch.Tensor]) -> None:
+        indices = []
+        for position in slot.positions:
+            tensor = leaves[position]
+            if id(tensor) not in self._index:  # tied weights: one input, several slots
+                self._index[id(tensor)] = len(self.tensors)
+                self.tensors.append(tensor)
+                self._where.append(slot.where)
+            indices.append(self._index[id(tensor)])
+        self._slots.append((slot, indices))
+
+    def remap(self, replacements: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """What a recompute substitutes for slots rebound since the call (rule 4).
+
+        For each slot whose value now differs from its snapshot but keeps its
+        structure (a variable rebound, ``functional_call`` having put a module's
+        own tensors back), the tensor now in the slot maps to what the forward
+        saw there: the Function's input (``replacements[i]`` for ``tensors[i]``)
+        or the snapshot tensor itself. Nothing is written to the slot.
+        """
+        table: dict[int, torch.Tensor] = {}
+        with torch_function_disabled():  # our reads are not the function's
+            for slot, indices in self._slots:
+                try:
+                    current = slot.get()
+                except (KeyError, AttributeError, ValueError):  # deleted since
+                    continue
+                if len(slot.leaves) == 1 and current is slot.leaves[0]:
+                    continue
+                leaves, treedef = optree.tree_flatten(current, none_is_leaf=True)
+                if treedef != slot.treedef:
+                    continue  # its structure changed: the engine's op trace maps it
+                given = dict(zip(slot.positions, indices, strict=True))
+                for position, (now, then) in enumerate(zip(leaves, slot.leaves, strict=True)):
+                    if isinstance(now, torch.Tensor) and now is not then:
+                        index = given.get(position)
+                        table[id(now)] = then if index is None else replacements[index]
+        return table
+
+    def reached(self) -> dict[int, str]:
+        """Every tensor found (tracked or not) by ``id``, with where it was found."""
+        found: dict[int, str] = {}
+        for slot, _ in self._slots:
+            for leaf in slot.leaves:
+                if isinstance(leaf, torch.Tensor):
+                    found.setdefault(id(leaf), slot.where)
+        return found
+
+    def note_versions(self, used: set[int]) -> None:
+        """After the forward: remember the version and storage of each tensor an op read.
+
+        ``used``: ids of the tensors the forward's ops got. One that none read
+        (another entry of a closed-over dict) may change freely, as in autograd.
+        """
+        with torch_function_disabled():  # our reads are not the function's
+            for slot, _ in self._slots:
+                if slot.checked:
+                    slot.read_versions = [
+                        (i, t._version, storage_identity(t))
+                        for i, t in enumerate(slot.leaves)
+                        if isinstance(t, torch.Tensor) and id(t) in used
+                    ]
+
+    def check_versions(self, label: str) -> None:
+        """Before a recompute: raise if a closed-over tensor changed in place since."""
+        for slot, _ in self._slots:
+            for i, version, storage in slot.read_versions:
+                t = slot.leaves[i]
+                with torch_function_disabled():
+                    now = (t._version, storage_identity(t))
+                if now == (version, storage):
+                    continue
+                where = slot.where if len(slot.leaves) == 1 else f"element #{i} of {slot.where}"
+                raise SavedInputMutatedError(
+                    f"remat: {where} (shape {tuple(t.shape)}) was modified in place "
+                    f"or reassigned ('.data = ...') after the forward pass of {label} read "
+                    "it, so the recompute would use the new values (plain autograd raises "
+                    "here too). Modify it after the backward, or modify a clone of it."
+                )
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"tensor of shape {tuple(t.shape)}, dtype {t.dtype}"

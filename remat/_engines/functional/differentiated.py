@@ -1,0 +1,64 @@
+"""The recorded forward, run as the backward's ``vjp`` will run it.
+
+NOTE [ The functional engine ] rule 7 (in ``__init__.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ..escapes import EscapeWatch
+from .guard import _HiddenInputGuard
+from .levels import _differentiable
+
+
+class DifferentiatedCall(Protocol):
+    """One call as this run sees it (`_Call` in ``call.py``)."""
+
+    differentiated: list[int]
+    guard: _HiddenInputGuard | None
+    escapes: EscapeWatch
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]: ...
+
+
+def run_as_differentiated(
+    call: DifferentiatedCall, tensors: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """Run ``fn`` under ``torch.func.vjp`` with respect to the inputs some level differentiates.
+
+    Composite ops decompose by whether their inputs require grad, so the
+    forward and the backward's ``vjp`` see the same aten ops only when both
+    differentiate the same inputs (rule 7).
+    """
+    if not call.differentiated:
+        return call.run(tensors)
+    kinds: list[bool] = []
+
+    def primal(
+        *moved: torch.Tensor,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        if call.guard is not None:
+            call.guard.know(moved)
+        call.escapes.taint(moved)
+        full = list(tensors)
+        for i, t in zip(call.differentiated, moved, strict=True):
+            full[i] = t
+        out = call.run(full)
+        kinds[:] = [_differentiable(t) for t in out]
+        # vjp takes floating outputs only; integer ones travel as aux.
+        return (
+            tuple(t for t in out if _differentiable(t)),
+            tuple(t for t in out if not _differentiable(t)),
+        )
+
+    with torch.enable_grad():
+        result: Any = torch.func.vjp(
+            primal, *(tensors[i] for i in call.differentiated), has_aux=True
+        )
+    floats, others = result[0], result[2]
+    it_f, it_o = iter(floats), iter(others)
+    return tuple(next(it_f) if k else next(it_o) for k in kinds)

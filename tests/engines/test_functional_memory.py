@@ -1,0 +1,147 @@
+"""The torch.func engine at the eager engine's floor (NOTE [ The functional engine ] rule 13).
+
+Peaks are exact (`MemoryMeter`): under ``torch.func.grad`` of a stack of regions
+the torch.func engine holds what the eager engine holds under ``backward()``,
+plus one block activation: the recomputed output of the block whose backward
+runs, which ``torch.func.vjp`` holds as its autograd root while its vjp runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from helpers import RecomputeCounter
+from torch.func import functional_call, grad, vjp
+
+import remat
+from remat import _demo_model as demo
+from remat._inspect.memory import MemoryMeter
+
+DEPTH, WIDTH, BATCH, SEQ = 4, 32, 2, 16
+#: One block's activation (float32): the recompute's output held by its vjp.
+ACTIVATION = BATCH * SEQ * WIDTH * 4
+
+
+def _stack() -> tuple[demo.Stack, torch.Tensor]:
+    stack = demo.Stack(depth=DEPTH, width=WIDTH, heads=2)
+    return stack, demo.make_input(stack, batch=BATCH, seq=SEQ)
+
+
+def _peak(step: Callable[[], Any]) -> tuple[int, Any]:
+    with MemoryMeter() as meter:
+        out = step()
+    return meter.peak, out
+
+
+def _eager(stack: demo.Stack, x: torch.Tensor, policy: str) -> tuple[int, dict[str, Any]]:
+    for p in stack.parameters():
+        p.grad = None
+
+    def step() -> dict[str, Any]:
+        stack.loss(x, policy).backward()
+        return {k: p.grad for k, p in stack.named_parameters()}
+
+    peak, grads = _peak(step)
+    for p in stack.parameters():
+        p.grad = None
+    return peak, grads
+
+
+def _under_grad(stack: demo.Stack, x: torch.Tensor, policy: str) -> tuple[int, dict[str, Any]]:
+    # As torch.func's own examples pass parameters: detached (rule 13's last sentence).
+    params = {k: v.detach() for k, v in stack.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        out: torch.Tensor = functional_call(stack, p, (x, policy)).pow(2).mean()
+        return out
+
+    return _peak(lambda: grad(loss)(params))
+
+
+@pytest.mark.parametrize("policy", ["nothing-saveable", "save-last"])
+def test_torch_func_grad_peaks_at_the_eager_engines_floor(policy: str) -> None:
+    stack, x = _stack()
+    eager_peak, eager_grads = _eager(stack, x, policy)
+    with RecomputeCounter() as counter:
+        func_peak, func_grads = _under_grad(stack, x, policy)
+    _, expected = _under_grad(stack, x, demo.NO_REMAT)
+    for k, g in expected.items():
+        torch.testing.assert_close(func_grads[k], g)
+        torch.testing.assert_close(eager_grads[k], g)
+    # Every block but (under save-last) the last is recomputed: gelu once per block.
+    assert counter.counts["gelu"] == (DEPTH - 1 if policy == "save-last" else DEPTH)
+    assert func_peak == eager_peak + ACTIVATION
+    assert func_peak <= 1.05 * eager_peak
+
+
+def test_region_inputs_go_as_the_backward_passes() -> None:
+    """Before rule 13 each region's input lived until ``grad`` returned: DEPTH - 1
+    more activations at the peak (block 0's input is the caller's)."""
+    stack, x = _stack()
+    nothing, _ = _under_grad(stack, x, "nothing-saveable")
+    eager_peak, _ = _eager(stack, x, "nothing-saveable")
+    assert nothing - eager_peak == ACTIVATION < (DEPTH - 1) * ACTIVATION
+
+
+def test_a_vjp_fn_called_twice_replays_twice() -> None:
+    """A ``vjp_fn`` keeps its graph: the forward's records stay for its second call."""
+    w = torch.randn(8, 8, dtype=torch.float64)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w).sin() @ w
+
+    x = torch.randn(4, 8, dtype=torch.float64)
+    for policy in ("dots-saveable", "save-last"):
+        out, vjp_fn = vjp(remat.remat(block, policy=policy), x)
+        expected_out, expected_fn = vjp(block, x)
+        torch.testing.assert_close(out, expected_out)
+        for seed in (1.0, -2.0):
+            cotangent = torch.full_like(out, seed)
+            with RecomputeCounter() as counter:
+                (got,) = vjp_fn(cotangent)
+            torch.testing.assert_close(got, expected_fn(cotangent)[0])
+            assert counter.counts["mm"] == 0, (policy, counter.counts)  # replayed
+
+
+def test_tuple_and_keyword_arguments_after_release() -> None:
+    """Handed-over tensors in a tuple and in a keyword argument get their stand-ins
+    substituted in every recompute, as the tensors were in the forward."""
+    w = torch.randn(6, 6, dtype=torch.float64)
+
+    def fn(pair: tuple[torch.Tensor, torch.Tensor], *, scale: tuple[torch.Tensor, float]) -> Any:
+        a, b = pair
+        return (torch.tanh(a @ w) * b).sin() * scale[0] * scale[1]
+
+    a, b, s = (torch.randn(3, 6, dtype=torch.float64) for _ in range(3))
+    wrapped = remat.remat(fn)
+    got = grad(lambda a, b, s: wrapped((a, b), scale=(s, 2.0)).sum(), argnums=(0, 1, 2))(a, b, s)
+    want = grad(lambda a, b, s: fn((a, b), scale=(s, 2.0)).sum(), argnums=(0, 1, 2))(a, b, s)
+    for g, e in zip(got, want, strict=True):
+        torch.testing.assert_close(g, e)
+    out, vjp_fn = vjp(lambda a, b, s: wrapped((a, b), scale=(s, 2.0)), a, b, s)
+    _, want_fn = vjp(lambda a, b, s: fn((a, b), scale=(s, 2.0)), a, b, s)
+    for _ in range(2):
+        for g, e in zip(vjp_fn(torch.ones_like(out)), want_fn(torch.ones_like(out)), strict=True):
+            torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("policy", ["nothing-saveable", "save-last", "dots-saveable"])
+def test_higher_order_keeps_what_it_differentiates(policy: str) -> None:
+    """grad(grad), hessian and jacfwd(jacrev) differentiate the backward: its graph stays."""
+    w = torch.randn(5, 5, dtype=torch.float64)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(x @ w).sin() @ w).pow(2).sum()
+
+    x = torch.randn(5, dtype=torch.float64)
+    wrapped = remat.remat(block, policy=policy)
+    for transform in (
+        lambda f: grad(lambda y: grad(f)(y).sin().sum()),
+        torch.func.hessian,
+        lambda f: torch.func.jacfwd(torch.func.jacrev(f)),
+        lambda f: torch.func.jacrev(torch.func.jacrev(f)),
+    ):
+        torch.testing.assert_close(transform(wrapped)(x), transform(block)(x))
