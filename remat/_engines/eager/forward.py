@@ -14,7 +14,7 @@ from ..._compat import current_autograd_node, no_dispatch_modes
 from ..._compile import uncompiled
 from ..._errors import RematError
 from ..._policy.base import Decision
-from ..._replay.modes import RecordMode
+from ..._replay.modes import RecordMode, detached
 from ..._replay.saved_signatures import saved_signature
 from .recompute import RecomputingFrame
 from .state import (
@@ -111,7 +111,7 @@ class Frame(RecomputingFrame):
             holder.tensor = self.offload_saved(t, holder)
             holder.version = t._version  # checked only if it stayed a tensor on device
         elif decision is not Decision.RECOMPUTE:
-            holder.tensor = t.detach()
+            holder.tensor = detached(t)
             holder.version = t._version
         if self.parent is not None:
             self.parent.collect(holder, t)
