@@ -138,3 +138,50 @@ def test_a_tensor_subclass_still_sees_the_detach() -> None:
     with modes.RecordMode(log):
         alias = modes.detached(t)
     assert isinstance(alias, _Wrapper) and _Wrapper.detaches == before + 1
+
+
+def _walks(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    from remat._engines.eager import forward
+
+    walked: list[object] = []
+    real = forward.find_closed_over
+
+    def counting(fn: object) -> object:
+        walked.append(fn)
+        return real(fn)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(forward, "find_closed_over", counting)
+    return walked
+
+
+def test_no_walk_of_the_closure_for_non_differentiable_outputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Layer norm saves its mean and rstd, attention its log-sum-exp: no grad_fn,
+    # made in the region, referenced by autograd's graph only.
+    walked = _walks(monkeypatch)
+    model = demo.Stack(depth=2, width=8, heads=2)
+    model.loss(demo.make_input(model, batch=2, seq=4), "nothing-saveable").backward()
+    assert walked == []
+
+
+def test_a_closed_over_tensor_is_still_found_and_its_mutation_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    walked = _walks(monkeypatch)
+    scale = torch.rand(4) + 0.5  # closed over, no grad: autograd saves it for mul
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x.sin() * scale).sum()
+
+    x = torch.randn(4, requires_grad=True)
+    out = remat.remat(f, policy="nothing-saveable")(x)
+    assert walked == [f]
+    scale.add_(1)
+    with pytest.raises(remat.SavedInputMutatedError, match="closure variable 'scale'"):
+        out.backward()
+    # The fix the message names: modify it after the backward.
+    scale.sub_(1)
+    out = remat.remat(f, policy="nothing-saveable")(x)
+    (g,) = torch.autograd.grad(out, x)
+    torch.testing.assert_close(g, x.cos() * scale)
