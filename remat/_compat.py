@@ -35,12 +35,15 @@ __all__ = [
     "CachingCheckpointMode",
     "OpOverload",
     "OpOverloadPacket",
+    "PlainDispatchMode",
     "TorchDispatchMode",
     "activation_memory_budget",
     "backward_keeps_graph",
     "current_autograd_node",
     "current_level",
+    "detach_past_modes",
     "dispatch_mode_stack",
+    "dynamo_frame_hook",
     "eager_forward_ad_level",
     "functorch_disabled",
     "functorch_level",
@@ -50,6 +53,8 @@ __all__ = [
     "is_functorch_wrapped",
     "is_traceable_wrapper_subclass",
     "keeping_version_counters",
+    "modes_if_only",
+    "never_traced",
     "no_dispatch_modes",
     "physical",
     "stateful_module_types",
@@ -212,6 +217,50 @@ def keeping_version_counters() -> AbstractContextManager[Any]:
     return torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False)
 
 
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_dispatch_stack_at = torch._C._get_dispatch_stack_at
+_NoPythonDispatch = torch._C._DisableTorchDispatch
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def modes_if_only(ours: tuple[type, ...]) -> list[Any] | None:
+    """The active dispatch modes (fake and proxy modes included) when each is an
+    instance of exactly one of ``ours``; None when another one is active.
+
+    `dispatch_mode_stack` in C calls only, for a hot path (private, 2.13).
+
+    Examples:
+        >>> modes_if_only(())
+        []
+    """
+    modes = []
+    for i in range(_dispatch_stack_len()):
+        mode = _dispatch_stack_at(i)
+        if type(mode) not in ours:
+            return None
+        modes.append(mode)
+    return modes
+
+
+def detach_past_modes(t: torch.Tensor) -> torch.Tensor | None:
+    """``t.detach()`` unseen by every dispatch mode, for a plain tensor ``t``; None for
+    a tensor subclass (whose own ``__torch_dispatch__``, a DTensor's, must run).
+
+    For remat's own bookkeeping where `modes_if_only` says only remat's modes
+    would see the op. Outside ``__torch_dispatch__`` the alias shares ``t``'s
+    version counter. torch has no public way past some modes only (2.13).
+
+    Examples:
+        >>> x = torch.ones(2)
+        >>> detach_past_modes(x)._version == x._version
+        True
+    """
+    if type(t) not in _PLAIN:
+        return None
+    with _NoPythonDispatch():
+        return t.detach()
+
+
 def current_autograd_node() -> Any:
     """The autograd node whose backward runs on this thread, or None (private, 2.13)."""
     return torch._C._current_autograd_node()
@@ -322,6 +371,45 @@ def torch_tree_leaves(tree: Any) -> list[Any]:
 
 
 # -- torch.compile internals --------------------------------------------------
+
+#: Dynamo's frame hook on this thread: None when no ``torch.compile``'d call runs
+#: around the caller (frames then run as plain Python, and
+#: ``torch.compiler.disable`` would only set the hook to None and back), else
+#: its callback (or False in run-only mode). A builtin, called as is: a hot path.
+#: torch has no public query (``torch.compiler.is_compiling`` answers whether
+#: Dynamo *traces* the caller, not whether it would compile the frames the
+#: caller enters; 2.13).
+dynamo_frame_hook = torch._C._dynamo.eval_frame.get_eval_frame_callback
+
+_eval_frame = torch._C._dynamo.eval_frame
+
+
+def never_traced(code: Any) -> None:
+    """Let Dynamo's frame hook run the code object ``code`` as plain Python, never
+    tracing or compiling it; the frames it calls are the hook's as usual.
+
+    What ``torch._dynamo.eval_frame.skip_code`` does, without importing Dynamo
+    (``torch.compiler.disable`` is the public route, at a cost per call; 2.13).
+    """
+    action = _eval_frame._FrameAction
+    _eval_frame.set_code_exec_strategy(
+        code, _eval_frame._FrameExecStrategy(action.SKIP, action.DEFAULT)
+    )
+
+
+class PlainDispatchMode(TorchDispatchMode):
+    """A dispatch mode whose ``__torch_dispatch__`` torch leaves as it is.
+
+    torch 2.13 wraps every mode's ``__torch_dispatch__`` in ``torch.compiler.disable``
+    (a few Python calls per op, also where nothing compiles). A subclass keeps
+    Dynamo out itself (``_compile.UncompiledMode``). The switch is a private
+    classmethod (2.13).
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
 
 
 def activation_memory_budget() -> float:

@@ -10,6 +10,11 @@ way down: functorch enters a Function's forward from C++ with Dynamo's frame
 hook live but no frame being traced (``torch.compile(torch.func.grad(f))``),
 where Dynamo would compile each frame the engine enters.
 
+Outside ``torch.compile`` (no Dynamo frame hook on the thread, the usual case)
+`uncompiled` calls ``fn`` directly: ``torch.compiler.disable`` would only set
+the hook to None and back, at the cost of several Python calls per saved
+tensor and per op.
+
 Regions whose policy lowers to ``torch.utils.checkpoint`` are not engines'
 business under ``torch.compile``: see ``_engines/lowered.py``.
 """
@@ -21,7 +26,9 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["uncompiled"]
+from ._compat import PlainDispatchMode, dynamo_frame_hook, never_traced
+
+__all__ = ["UncompiledMode", "uncompiled"]
 
 R = TypeVar("R")
 
@@ -37,6 +44,8 @@ def uncompiled(fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
     if torch.compiler.is_compiling():
         eager: Callable[..., R] = torch.compiler.disable(fn)
         return eager(*args, **kwargs)
+    if dynamo_frame_hook() is None:  # nothing would compile the frames below
+        return fn(*args, **kwargs)
     result: R = _eager(fn, *args, **kwargs)
     return result
 
@@ -47,3 +56,29 @@ def _call(fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
 
 #: ``fn(*args, **kwargs)`` with Dynamo's frame hook off for every frame it enters.
 _eager: Callable[..., Any] = torch.compiler.disable(_call)
+
+
+class UncompiledMode(PlainDispatchMode):
+    """A dispatch mode whose ops are handled eagerly, as `uncompiled` runs a hook.
+
+    Subclasses implement `dispatch`. Dynamo never traces ``__torch_dispatch__``
+    itself (`never_traced`), and when its frame hook is set (a compiled
+    module run inside a region), `dispatch` runs with the hook off; without
+    the hook, `dispatch` is called directly.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        # Per mode, not once: resetting Dynamo may forget a code object's strategy.
+        never_traced(UncompiledMode.__torch_dispatch__.__code__)
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if dynamo_frame_hook() is None:
+            return self.dispatch(func, args, kwargs or {})
+        return _eager(self.dispatch, func, args, kwargs or {})
+
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``func`` on ``args`` and ``kwargs`` as this mode does."""
+        raise NotImplementedError

@@ -57,10 +57,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._compat import no_dispatch_modes, storage_identity
-from .._errors import SavedInputMutatedError
-from .._state import engine_maps_slots, entered_internally, internal
-from .cells import closed_over_leaves, closure_cells, holds_plain, is_bound
+from .._compat import storage_identity
+from .._state import engine_maps_slots, entered_internally
+from .cells import closed_over_leaves, closure_cells, holds_plain
+from .restoring import RestoringGuard
 from .slots import (
     SNAPSHOT_BYTES,
     Accumulations,
@@ -68,10 +68,7 @@ from .slots import (
     Watched,
     buffer_copies,
     has_grad_slot,
-    linked_copy,
     pins_of,
-    replaced,
-    unrestorable,
     watch_slots,
 )
 from .stateful import GuardsItsModules, is_stateful
@@ -80,7 +77,7 @@ from .watching import watching
 __all__ = ["SNAPSHOT_BYTES", "StateGuard", "state_guard_of"]
 
 
-class StateGuard:
+class StateGuard(RestoringGuard):
     """Run the modules of one region call on the parameters and state their forward saw.
 
     Use one guard per region call, around the forward and around the recompute
@@ -194,7 +191,7 @@ class StateGuard:
         for root in self.roots:
             self._pin(type(root).__qualname__, root, recurse=True)
         try:
-            with watching(self) if self.watch else contextlib.nullcontext():
+            with self.watching_modules():
                 yield
         except BaseException:
             self.grad_watch.close()  # no hook left on the user's leaves
@@ -261,141 +258,15 @@ class StateGuard:
                 if not stateful:  # stateful buffers: rule 2 instead
                     self.pins.extend(pins_of(path, sub._buffers, parameter=False))
 
+    def watching_modules(self) -> contextlib.AbstractContextManager[None]:
+        return watching(self) if self.watch else contextlib.nullcontext()
+
     def _watch(self, path: str, module: nn.Module, stateful: bool) -> None:
         watched = watch_slots(path, module, stateful, self._watch_keys)
         self.watched.extend(watched)
         for w in watched:
             if self.grads and w.parameter and has_grad_slot(w.tensor):
                 self.grad_watch.watch(w.tensor)
-
-    # -- recompute -----------------------------------------------------------
-
-    def _refuse_unrestorable(self) -> None:
-        for watched in self.written:
-            if watched.snapshot is None:
-                raise unrestorable(watched, self.label)
-
-    @contextlib.contextmanager
-    def _cells_restored(self) -> Iterator[None]:
-        """Run the recompute with the cells as the forward found them (rule 2)."""
-        before = [(cell, cell.cell_contents) for cell, _ in self.cell_start if is_bound(cell)]
-        for cell, start in self.cell_start:
-            cell.cell_contents = start
-        try:
-            yield
-        finally:
-            for cell, value in before:
-                cell.cell_contents = value
-
-    @contextlib.contextmanager
-    def _grads_kept(self) -> Iterator[None]:
-        """Undo what the recompute's inner backward accumulates into ``.grad`` (rule 3)."""
-        if not self.grads_written:
-            yield
-            return
-        kept = []
-        with no_dispatch_modes(), internal(), torch.no_grad():
-            for t, started_empty in self.grads_written:
-                grad = t.grad
-                kept.append((t, grad, None if grad is None else grad.clone()))
-                if started_empty:  # accumulate as the forward did: into nothing
-                    t.grad = None
-        try:
-            yield
-        finally:
-            with no_dispatch_modes(), internal(), torch.no_grad():
-                for t, grad, value in kept:
-                    if grad is not None and value is not None:
-                        grad.copy_(value)  # autograd accumulates in place when it can
-                    t.grad = grad
-
-    @contextlib.contextmanager
-    def _pinned(self) -> Iterator[None]:
-        assert self.pins is not None, "this is a bug in remat, please report it"
-        if engine_maps_slots():  # the torch.func engine maps the slots itself
-            yield
-            return
-        moved: list[tuple[Pin, torch.Tensor]] = []
-        try:
-            for pin in self.pins:
-                current = pin.table.get(pin.name)
-                if isinstance(current, torch.Tensor) and replaced(current, pin):
-                    moved.append((pin, current))
-                    pin.table[pin.name] = pin.tensor
-                self._check(pin)
-            yield
-        finally:
-            for pin, current in reversed(moved):
-                pin.table[pin.name] = current
-
-    def _check(self, pin: Pin) -> None:
-        t = pin.tensor
-        same_storage = pin.storage is None or storage_identity(t) == pin.storage
-        if t._version == pin.version and same_storage:
-            return
-        if pin.parameter:
-            kind = "parameter"
-            cause = "an optimizer step or a '.data' assignment before backward?"
-            fix = "Call backward before modifying parameters."
-        else:
-            kind = "buffer"
-            cause = "does the module update it in forward?"
-            fix = (
-                "If the module updates this buffer in forward (running statistics, a power "
-                "iteration, a counter), declare it stateful: "
-                "remat.register_stateful(type(module)) or module.remat_stateful = True. "
-                "If your code modified it between forward and backward, modify it after "
-                "backward instead."
-            )
-        raise SavedInputMutatedError(
-            f"remat: {kind} '{pin.name}' of {pin.where} (shape {tuple(t.shape)}) was "
-            f"modified in place after the forward pass of {self.label} read it (version "
-            f"{t._version}, expected {pin.version}; {cause}), so its recompute would "
-            f"use the new values. {fix}"
-        )
-
-    def _swapped(self) -> Iterator[None]:
-        copies = [(table, name, value) for table, name, value in self.seen or []]
-        copies.extend((w.table, w.name, w.snapshot) for w in self.written if w.snapshot is not None)
-        if not copies:
-            yield
-            return
-        originals = [(table, name, table[name]) for table, name, _ in copies]
-        self._swaps = {(id(table), name): value for table, name, value in copies}
-        try:
-            for table, name, _ in copies:
-                self._install(table, name)
-            with watching(self) if self.watch else contextlib.nullcontext():
-                yield
-        finally:
-            self._swaps = None
-            for table, name, replaced, copy in reversed(self._reswapped):
-                if table.get(name) is copy:  # else whoever replaced it put theirs back
-                    table[name] = replaced
-            self._reswapped, self._installed = [], {}
-            for table, name, buffer in reversed(originals):
-                table[name] = buffer
-
-    def _install(self, table: dict[str, Any], name: str) -> torch.Tensor:
-        """Put a fresh copy of the slot's start value in it, for the recompute to write to."""
-        assert self._swaps is not None, "this is a bug in remat, please report it"
-        value = self._swaps[id(table), name]
-        with no_dispatch_modes(), torch.no_grad():
-            # What is differentiated keeps its gradient (a parameter; a buffer
-            # passed to functional_call).
-            copy = linked_copy(table[name], value)
-        table[name] = self._installed[id(table), name] = copy
-        return copy
-
-    def _reswap(self, module: nn.Module) -> None:
-        """Recompute: slots given other tensors since it started get copies again."""
-        assert self._swaps is not None, "this is a bug in remat, please report it"
-        for table in (module._buffers, module._parameters):
-            for name, current in list(table.items()):
-                key = (id(table), name)
-                if key in self._swaps and current is not self._installed.get(key):
-                    assert isinstance(current, torch.Tensor), "this is a bug in remat"
-                    self._reswapped.append((table, name, current, self._install(table, name)))
 
 
 def state_guard_of(

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from .._compile import UncompiledMode
 from .._errors import NondeterministicRecomputeError
 from .._state import local
 from .checks import CURES, arg_shapes, divergence
@@ -19,7 +20,7 @@ from .records import OpLog, detached_alias
 from .tags import inherit_tag
 from .traits import scalars_of, traits
 
-__all__ = ["RecordMode", "ReplayMode", "side_by_side"]
+__all__ = ["RecordMode", "ReplayMode", "detached", "side_by_side"]
 
 # NOTE: `detach` is invisible to both modes. The engines detach tensors inside
 # saved-tensor hooks, at points that differ between forward and recompute; a
@@ -27,11 +28,11 @@ __all__ = ["RecordMode", "ReplayMode", "side_by_side"]
 _DETACH = torch.ops.aten.detach.default
 
 
-class RecordMode(_compat.TorchDispatchMode):
+class RecordMode(UncompiledMode):
     """Record every op of a region's forward into an `OpLog` (see NOTE rule 1)."""
 
     def __init__(self, log: OpLog) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.log = log
 
     def __enter__(self) -> RecordMode:
@@ -49,10 +50,7 @@ class RecordMode(_compat.TorchDispatchMode):
         finally:
             local.recorders.remove(self)
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = func(*args, **kwargs)
         if func is _DETACH:
             inherit_tag(args[0], out)
@@ -61,7 +59,7 @@ class RecordMode(_compat.TorchDispatchMode):
         return out
 
 
-class ReplayMode(_compat.TorchDispatchMode):
+class ReplayMode(UncompiledMode):
     """Recompute a region, returning kept outputs instead of running their ops."""
 
     def __init__(
@@ -72,7 +70,7 @@ class ReplayMode(_compat.TorchDispatchMode):
         held: dict[tuple[int, int], torch.Tensor] | None = None,
         release: bool = False,
     ) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.log = log
         self.check = check
         self.live = live
@@ -95,10 +93,7 @@ class ReplayMode(_compat.TorchDispatchMode):
             return self._ran
         return [rec.op for rec in self.log.records[: self.index]]
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func is _DETACH:
             return func(*args, **kwargs)
         index = self.index
@@ -170,6 +165,33 @@ class ReplayMode(_compat.TorchDispatchMode):
             f"#{index}: {what}. Its gradients would be wrong. {CURES}\n"
             + side_by_side(forward, [str(f) for f in self.ran])
         )
+
+
+#: The modes `detached` steps past.
+_OURS = (RecordMode, ReplayMode)
+
+
+def detached(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()``, as remat's modes would make it, without a Python call of each.
+
+    For the engines' saved-tensor hooks (outside ``__torch_dispatch__``, so the
+    alias shares ``t``'s version counter). Where only remat's modes are active
+    and ``t`` is a plain tensor, the detach runs below them, and the tag a
+    `RecordMode` would pass on (see the NOTE on ``detach`` above) is passed on
+    here; anywhere else (a user's mode, a tensor subclass) it is a plain ``detach``.
+
+    Examples:
+        >>> x = torch.ones(2)
+        >>> y = detached(x)
+        >>> y.requires_grad, y._version == x._version
+        (False, True)
+    """
+    modes = _compat.modes_if_only(_OURS)
+    if modes is not None and (alias := _compat.detach_past_modes(t)) is not None:
+        if any(type(mode) is RecordMode for mode in modes):
+            inherit_tag(t, alias)
+        return alias
+    return t.detach()
 
 
 def _shape_list(shapes: tuple[Any, ...]) -> str:

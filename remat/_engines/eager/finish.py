@@ -30,9 +30,14 @@ class FinishingFrame(FrameState):
         self.settle_budget()
         self.log.end_forward()
         check_names(self.log.policy, self.region.label, self.log.names_seen)
+        alive = self.alive()
         # Only outputs something will read are worth a copy to the host.
-        self.offload_kept(out, None if self.holds_all_as_latest else self.liveness())
-        for holder in self.alive():
+        live = None if self.holds_all_as_latest else self.liveness(alive)
+        self.offload_kept(out, live)
+        # Liveness depends on which holders are empty: if none changes below,
+        # the release reuses it (computing it costs a walk of the whole log).
+        changed = False
+        for holder in alive:
             if holder.tensor is not None and self.named_to_recompute(holder):
                 # Saved by its own op (``exp`` saves its result) before
                 # `checkpoint_name` gave it a name the policy recomputes: the
@@ -40,17 +45,17 @@ class FinishingFrame(FrameState):
                 if self.holds_all_as_latest:
                     holder.demotable = True
                 else:
-                    holder.tensor = None
+                    holder.tensor, changed = None, True
             elif holder.tensor is None and holder.source is not None:
                 record, position = holder.source
                 entry = self.offloaded.entry(record, position)
                 if entry is not None:
-                    holder.tensor = entry
+                    holder.tensor, changed = entry, True
                 elif (kept := record.kept_at(position)) is not None:
-                    holder.tensor = kept
+                    holder.tensor, changed = kept, True
                     holder.version = record.kept_version(position)
         if not self.holds_all_as_latest:
-            self.release_unread()
+            self.release_unread(None if changed else live)
             self.offloaded.prune()
 
     def settle_budget(self) -> None:

@@ -14,7 +14,7 @@ from ..._compat import current_autograd_node, no_dispatch_modes
 from ..._compile import uncompiled
 from ..._errors import RematError
 from ..._policy.base import Decision
-from ..._replay.modes import RecordMode
+from ..._replay.modes import RecordMode, detached
 from ..._replay.saved_signatures import saved_signature
 from .recompute import RecomputingFrame
 from .state import (
@@ -53,6 +53,7 @@ class Frame(RecomputingFrame):
         self.mutated_in_forward = self.versions != start_versions
         self.rng_after = self.rng.now() if self.rng is not None else None
         self.phase = Phase.DONE
+        self.settle_unsure()
         self.finish_forward(out)
         return out
 
@@ -111,7 +112,7 @@ class Frame(RecomputingFrame):
             holder.tensor = self.offload_saved(t, holder)
             holder.version = t._version  # checked only if it stayed a tensor on device
         elif decision is not Decision.RECOMPUTE:
-            holder.tensor = t.detach()
+            holder.tensor = detached(t)
             holder.version = t._version
         if self.parent is not None:
             self.parent.collect(holder, t)
@@ -148,14 +149,18 @@ class Frame(RecomputingFrame):
             record, position = holder.source
             decision = record.decision_at(position)
         else:
-            where = self.closed_over(t)
-            if where is not None:
-                # Made outside the region (no op log says so here): keep it, so an
-                # in-place change before backward raises as plain autograd does,
-                # instead of a recompute from the new values.
-                holder.owned = False
-                self.outside_names[holder.index] = where
-                return Decision.SAVE
+            # Made outside the region (a closure, a global, an attribute), ``t`` must be
+            # kept, so an in-place change before backward raises as in plain autograd
+            # instead of a recompute from the new values. Finding out walks all the
+            # function reaches: for a tensor that is no view, only at the end of the
+            # forward, and only if Python still references it then (`settle_unsure`).
+            if self.maybe_outside(t):
+                if t._base is None:
+                    self.note_unsure(t, holder)
+                elif (where := self.closed_over(t)) is not None:
+                    holder.owned = False
+                    self.outside_names[holder.index] = where
+                    return Decision.SAVE
             assert self.decision is not None, "this is a bug in remat, please report it"
             decision = self.decision
         if decision is Decision.OFFLOAD and not self.can_offload(t):
@@ -164,6 +169,45 @@ class Frame(RecomputingFrame):
             holder.demotable = True
             return Decision.SAVE
         return decision
+
+    #: Saved tensors (no views) no op of the region's graph made, not known yet to
+    #: be made outside (regions without an op log): (holder, a weak reference to
+    #: the tensor, its version when saved).
+    unsure: list[tuple[Holder, weakref.ref[torch.Tensor], int]] | None = None
+
+    def maybe_outside(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` may be a tensor the region read without receiving it (see
+        `closed_over`): a tensor with a ``grad_fn`` was made by the region's graph."""
+        if t.grad_fn is not None:
+            return False
+        base = t._base
+        return base is None or not (base.is_leaf and base.requires_grad)
+
+    def note_unsure(self, t: torch.Tensor, holder: Holder) -> None:
+        if self.unsure is None:
+            self.unsure = []
+        self.unsure.append((holder, weakref.ref(t), t._version))
+
+    def settle_unsure(self) -> None:
+        """End of forward: keep the unsure saved tensors made outside the region.
+
+        One that nothing in Python references any more (a non-differentiable
+        output of an op, such as layer norm's mean) is held by no closure,
+        global or attribute, so the recompute makes it again: no walk for it.
+        The others are looked up as `closed_over` does; one found is kept, at
+        the version it had when saved (a write since raises when unpacked).
+        """
+        unsure, self.unsure = self.unsure or [], None
+        for holder, ref, version in unsure:
+            t = ref()
+            if t is None:
+                continue  # referenced from autograd's graph only
+            where = self.closed_over(t)
+            if where is None:
+                continue
+            holder.owned, holder.demotable = False, False
+            holder.tensor, holder.version = detached(t), version
+            self.outside_names[holder.index] = where
 
     def closed_over(self, t: torch.Tensor) -> str | None:
         """Where the region found ``t`` (or the tensor ``t`` views) without receiving it.

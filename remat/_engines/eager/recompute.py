@@ -15,7 +15,7 @@ from ..._errors import NondeterministicRecomputeError, RematError
 from ..._offload.store import Offloaded
 from ..._pytree import tensor_leaves
 from ..._replay.checks import differs
-from ..._replay.modes import ReplayMode, side_by_side
+from ..._replay.modes import ReplayMode, detached, side_by_side
 from ..._replay.rng import check_batched_recompute
 from ..autograd_inside import GradWatch, OutsideGradError, feeds
 from ..recompute import recompute_context
@@ -229,7 +229,7 @@ class RecomputingFrame(FinishingFrame):
         assert tensor is not None, "this is a bug in remat, please report it"
         if self.check:
             self.check_meta(index, tensor)
-        kept = tensor.detach()
+        kept = detached(tensor)
         holder = self.needed.get(index)
         if holder is not None:
             if isinstance(value, torch.Tensor):

@@ -179,11 +179,13 @@ class FrameState:
         clock = max((h.clock for h in alive if h.tensor is None), default=0)
         return [is_live and i < clock for i, is_live in enumerate(live)]
 
-    def release_unread(self) -> None:
+    def release_unread(self, live: list[bool] | None = None) -> None:
         # A kept output that no live op of the recompute reads is never replayed
-        # (holders reference what backward itself reads): let it go.
+        # (holders reference what backward itself reads): let it go. ``live``: the
+        # liveness, if the caller has it for the holders as they are now.
         assert self.log is not None, "this is a bug in remat, please report it"
-        live = self.liveness()
+        if live is None:
+            live = self.liveness()
         for record, is_live in zip(self.log.records, live, strict=True):
             if not is_live:
                 record.release()
