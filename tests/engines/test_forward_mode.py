@@ -66,16 +66,6 @@ def test_linearize(policy: str) -> None:
     torch.testing.assert_close(jvp_fn(w.cos()), expected_fn(w.cos()))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "bug: `_forward_ad_levels()` (remat/_engines/functional.py) counts one functorch "
-        "jvp as two levels (functorch's jvp also enters an eager forward_ad dual level), "
-        "so under jvp, jacfwd and hessian a region runs `fn` plainly (NOTE rule 9, meant "
-        "for jvp(jvp)): hessian's inner jacrev saves everything. NOTE rule 3 and "
-        "docs/torch-func.md say the region is recomputed in full there"
-    ),
-)
 @pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
 def test_one_forward_mode_level_recomputes_the_region(transform: str) -> None:
     recomputes: list[bool] = []

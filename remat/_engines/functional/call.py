@@ -42,6 +42,7 @@ from .guard import _Births, _HiddenInputGuard, unsubstituted_error
 from .levels import (
     _below_all_levels,
     _differentiable,
+    _escape_seeds,
     _forward_ad_active,
     _inference_mode_errors,
     _tracked,
@@ -101,6 +102,8 @@ class _Call:
         self.differentiated = [i for i, t in enumerate(self.inputs) if _tracked(t)]
         #: Whether a backward will come (of this call, or of the call a vmap twin is for).
         self.differentiable = bool(self.differentiated)
+        #: Inputs whose dependents, let out, must carry derivatives (NOTE [ Escaped tensors ]).
+        self.escape_seeds = _escape_seeds(self.inputs, self.differentiated)
         self.out_treedef: Any = None
         self.out_leaves: list[Any] = []
         self.out_positions: list[int] = []
@@ -237,7 +240,7 @@ class _Call:
         finally:
             self.guard = None
         self.rng_after = self.rng.now() if self.rng is not None else None
-        out, escaped = self.escapes.collect(out) if self.differentiated else (out, ())
+        out, escaped = self.escapes.collect(out) if self.escape_seeds else (out, ())
         if self.log is not None:
             self.offload_kept(tensors, (*out, *escaped))
         # autograd.Function refuses to save an input it also returns as-is: return a view.
@@ -246,9 +249,9 @@ class _Call:
 
     def watch(self, tensors: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
         """Note what ``fn`` may let out besides its outputs, when a backward will come."""
-        if not self.differentiated:
+        if not self.escape_seeds:
             return contextlib.nullcontext()
-        return self.escapes.watching([tensors[i] for i in self.differentiated])
+        return self.escapes.watching([tensors[i] for i in self.escape_seeds])
 
     def adopt(self, twin: _Call) -> None:
         """Take the forward's records from ``twin``: a backward inside the vmap replays them."""
