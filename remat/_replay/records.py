@@ -56,7 +56,8 @@ NOTE [ Record and replay ]
    ``everything-except:NAME`` drops, viewed by a ``Linear`` on a 3-D input for
    its ``mm``) is recomputed too, whatever the policy says of the view op:
    otherwise the value the policy frees stays alive through its view. The
-   recompute runs it from its recomputed base (view ops cost nothing).
+   recompute runs it from its recomputed base (view ops cost nothing). A
+   memory budget is left to its plan (NOTE [ Budget plans ]).
 """
 
 from __future__ import annotations
@@ -341,7 +342,13 @@ class OpLog:
                 self._keep(rec, position, tensor)
 
     def _views_dropped(self, args: tuple[Any, ...]) -> bool:
-        """Whether a view op's input is an output of this log the policy recomputes."""
+        """Whether a view op's input is an output of this log the policy recomputes.
+
+        Not for a memory budget: its plan decides each op by position, from bytes.
+        """
+        policy = self.policy
+        if policy.plans_from_log or type(policy).decide_record is not Policy.decide_record:
+            return False
         for arg in args:
             found = self.lookup(arg) if isinstance(arg, torch.Tensor) else None
             if found is not None and found[0].decision_at(found[1]) is Decision.RECOMPUTE:

@@ -8,7 +8,7 @@ from typing import Any
 import optree
 import pytest
 import torch
-from helpers import F64
+from helpers import CORE_POLICIES, F64
 from torch.func import grad, hessian, jacfwd, jvp
 
 import remat
@@ -66,20 +66,31 @@ def test_linearize(policy: str) -> None:
     torch.testing.assert_close(jvp_fn(w.cos()), expected_fn(w.cos()))
 
 
-@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
-def test_one_forward_mode_level_recomputes_the_region(transform: str) -> None:
+# One functorch jvp is one forward-mode level (it enters the eager dual level too):
+# the Function runs, and its jvp rule (and hessian's backward) recompute ``fn``.
+@pytest.mark.parametrize("policy", CORE_POLICIES)
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian", "vmap(jacfwd)"])
+def test_one_forward_mode_level_recomputes_the_region(transform: str, policy: str) -> None:
     recomputes: list[bool] = []
 
     def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         recomputes.append(remat.is_recomputing())
-        return (torch.tanh(x @ w) ** 2).sum()
+        return (torch.tanh(remat.checkpoint_name(x @ w, "hidden")) ** 2).sum()
 
+    def run(g: Callable[..., torch.Tensor]) -> Any:
+        if transform == "jvp":
+            return jvp(g, (x, w), (x.cos(), w.sin()))
+        if transform == "vmap(jacfwd)":
+            return torch.func.vmap(jacfwd(g, argnums=1), in_dims=(0, None))(xs, w)
+        return (jacfwd if transform == "jacfwd" else hessian)(g, argnums=(0, 1))(x, w)
+
+    torch.manual_seed(0)
     x, w = torch.randn(3, 4, dtype=F64), torch.randn(4, 4, dtype=F64)
-    region = remat.remat(f, policy="nothing-saveable")
-    if transform == "jvp":
-        got, want = jvp(region, (x, w), (x, w)), jvp(f, (x, w), (x, w))
-    else:
-        run = jacfwd if transform == "jacfwd" else hessian
-        got, want = run(region)(x, w), run(f)(x, w)
-    torch.testing.assert_close(got, want)
-    assert any(recomputes), f"{transform}: the region's fn only ran plainly"
+    xs = torch.randn(2, 3, 4, dtype=F64)
+    want = run(f)
+    recomputes.clear()
+    got = run(remat.remat(f, policy=policy))
+    optree.tree_map(torch.testing.assert_close, got, want)
+    # The forward ran fn once, plainly; every other run was a recompute.
+    assert recomputes[0] is False and len(recomputes) > 1, (transform, recomputes)
+    assert all(recomputes[1:]), (transform, recomputes)
