@@ -7,8 +7,8 @@ reads it, but ``fn`` may store it where other code reads it later
 (``box["h"] = h``, an attribute, a list): the stand-in outlives its recompute.
 A later reader (another region's recompute, the user) then fails inside torch
 with a device error that names neither region nor a fix. Each stand-in
-remembers its log; when a recompute fails while a stand-in made by another
-log's recompute is still alive, `raise_if_leaked` raises `RematError` naming the
+remembers its log; when a recompute fails on a meta tensor while a stand-in
+made by another log's recompute is still alive, `raise_if_leaked` raises `RematError` naming the
 region that stored it, the one that failed, and the fix that works: store the
 value in the forward only (``if not remat.is_recomputing(): box["h"] = h``,
 computing ``h`` in both), or hand it over as a return value and an argument.
@@ -64,8 +64,12 @@ def raise_if_leaked(label: str, log_serial: int | None, error: BaseException) ->
     """Raise `RematError` if ``error`` may come from another recompute's stand-in.
 
     ``label`` and ``log_serial`` are the failing region's (its own stand-ins,
-    alive in its traceback, are not a leak; None: it records no log).
+    alive in its traceback, are not a leak; None: it records no log). Only an
+    error that names the meta device counts: a hook's list may hold stand-ins that
+    nothing reads, and another failure is not theirs.
     """
+    if "meta" not in str(error):
+        return
     leaked = [
         (origin, t)
         for t in list(_alive.values())
