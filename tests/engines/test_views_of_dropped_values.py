@@ -4,7 +4,7 @@ A view shares its base's storage, so keeping it keeps every byte of the value
 the policy frees: a ``Linear`` on a 3-D input saves such a view for its ``mm``
 (NOTE [ Record and replay ] rule 8 in ``remat/_replay/records.py``). Memory is
 exact on CPU, so the bytes are asserted to the byte; the recompute runs the
-named op only (the attention kernel before it gets real inputs, rule 5).
+named op only (the attention before it gets the tensors backward holds, rule 5).
 """
 
 from __future__ import annotations
