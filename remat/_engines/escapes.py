@@ -31,7 +31,7 @@ NOTE [ Escaped tensors ]
    gradient. Where the swap is refused (a weak reference to it, a tensor
    subclass, its impl held elsewhere), remat raises `RematError` naming the
    tensor and the fix (return it, or detach it).
-5. Recompute. The backward's (and ``jvp``'s) recompute, with `EscapeWatch`
+5. Recompute. The backward's recompute, with `EscapeWatch`
    entered as a `TorchFunctionMode` (only for calls that had escapes),
    captures the output of the same numbered call and returns it with ``fn``'s outputs, so the vjp
    gives each escaped tensor's cotangent its part of the gradient. The call's
@@ -51,6 +51,14 @@ NOTE [ Escaped tensors ]
    What cannot be handed back is loud: a tensor made inside a vmap that ended
    within ``fn`` (its batch would show as a plain dimension), and one let out
    by a region that runs, undifferentiated, inside another region under vmap.
+7. Forward mode. Under ``jvp``, ``jacfwd`` and ``hessian`` (and ``vmap`` of them)
+   every differentiable input is watched (`_escape_seeds`: which ones carry a
+   tangent cannot be read below another level), so a tensor let out is found.
+   It is then refused with `RematError`: the Function's ``jvp`` rule gets its
+   tangents by running ``fn`` again at once, inside the user's forward, and
+   what ``fn`` stores there (a second list entry, an overwritten attribute) is
+   the recompute's tensor, which no level differentiates. The fix named works:
+   return the tensor, or store it detached.
 """
 
 from __future__ import annotations

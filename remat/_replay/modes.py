@@ -17,6 +17,7 @@ from .._errors import NondeterministicRecomputeError
 from .._state import local
 from .checks import CURES, arg_shapes, divergence
 from .records import OpLog, detached_alias
+from .stand_ins import stand_in
 from .tags import inherit_tag
 from .traits import scalars_of, traits
 
@@ -142,7 +143,7 @@ class ReplayMode(UncompiledMode):
         held = self.held.get((index, position))
         if held is not None and (held.shape, held.stride(), held.dtype) == meta:
             return held
-        return _stand_in(meta)
+        return stand_in(meta, self.log.serial, self.log.label, self.log.records[index].op)
 
     def mismatch(
         self, index: int, func: Any, forward_scalars: Any = None, recompute_scalars: Any = None
@@ -196,17 +197,6 @@ def detached(t: torch.Tensor) -> torch.Tensor:
 
 def _shape_list(shapes: tuple[Any, ...]) -> str:
     return "[" + ", ".join(str(tuple(shape)) for shape, _ in shapes) + "]"
-
-
-def _stand_in(meta: tuple[Any, ...]) -> torch.Tensor:
-    """A meta tensor shaped like a dead op's output; nothing live reads it.
-
-    On the meta device it costs nothing, and Python reading it without an op
-    (``tolist()``, ``numpy()``) or a stand-in escaping into Python state fails
-    loudly instead of passing garbage on.
-    """
-    shape, stride, dtype = meta
-    return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
 
 
 def _rebuild(func: Any, tensors: list[torch.Tensor]) -> Any:

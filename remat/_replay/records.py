@@ -52,6 +52,13 @@ NOTE [ Record and replay ]
    region of its own. (FSDP reshards after every backward, so a unit inside a
    region gathers in every forward.) Regions that record no ops
    (``nothing-saveable``) run FSDP units inside them as plain autograd does.
+8. A view shares its base's storage: keeping a view keeps every byte of the
+   base. So a view op whose input is an output the policy recomputes (a name
+   ``everything-except:NAME`` drops, viewed by a ``Linear`` on a 3-D input for
+   its ``mm``) is recomputed too, whatever the policy says of the view op:
+   otherwise the value the policy frees stays alive through its view. The
+   recompute runs it from its recomputed base (view ops cost nothing). A
+   memory budget is left to its plan (NOTE [ Budget plans ]).
 """
 
 from __future__ import annotations
@@ -112,6 +119,8 @@ class OpLog:
         else:
             verdict = self.policy.decide_record(index, op, args, kwargs)
             decision = self.policy.decide(verdict, None)
+            if op_traits.view and decision is not Decision.RECOMPUTE and self._views_dropped(args):
+                decision = Decision.RECOMPUTE  # NOTE rule 8
         rec = OpRecord(op, verdict, decision, index)
         rec.inputs, rec.scalars = scan_args(args, kwargs, self.serial)
         rec.metas = tuple([(t.shape, t.stride(), t.dtype) for t in outputs])
@@ -134,6 +143,20 @@ class OpLog:
             tag_inner(tensor, tag)
             if decision is not Decision.RECOMPUTE or rec.tentative:
                 self._keep(rec, position, tensor)
+
+    def _views_dropped(self, args: tuple[Any, ...]) -> bool:
+        """Whether a view op's input is an output of this log the policy recomputes.
+
+        Not for a memory budget: its plan decides each op by position, from bytes.
+        """
+        policy = self.policy
+        if policy.plans_from_log or type(policy).decide_record is not Policy.decide_record:
+            return False
+        for arg in args:
+            found = self.lookup(arg) if isinstance(arg, torch.Tensor) else None
+            if found is not None and found[0].decision_at(found[1]) is Decision.RECOMPUTE:
+                return True
+        return False
 
     def _keep(self, rec: OpRecord, position: int, tensor: torch.Tensor) -> None:
         rec.keep(position, tensor, len(rec.metas))

@@ -272,7 +272,7 @@ def _inner_backward(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 @pytest.mark.parametrize("start", ["empty", "accumulated"])
 @pytest.mark.parametrize("policy", CORE_POLICIES)
 def test_a_backward_inside_the_region_accumulates_once(
-    engine: Engine, policy: str, start: str, request: pytest.FixtureRequest
+    engine: Engine, policy: str, start: str
 ) -> None:
     def leaf() -> torch.Tensor:
         w = torch.linspace(0.5, 1.5, 3, dtype=torch.double).requires_grad_()
@@ -281,17 +281,20 @@ def test_a_backward_inside_the_region_accumulates_once(
         return w
 
     if engine.name == "functional":
-        # torch.func refuses .backward() inside a transform, with or without remat.
-        if policy == "nothing-saveable":
-            request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-                "bug: in a nothing-saveable region under the torch.func engine the "
-                ".backward() inside fails with torch's 'element 0 of tensors does not "
-                "require grad' instead of torch.func's own refusal (or a RematError)"
-            )))
-        for p in (None, policy):
-            with pytest.raises(RuntimeError, match=r"backward\(\) called inside a functorch"):
-                _step(engine, _inner_backward(leaf()), p, _x())
-        return
+        # torch.func refuses .backward() inside a transform, with or without remat:
+        # remat says so whatever the policy (nothing-saveable's forward has no
+        # autograd at all), naming the region and the fix.
+        with pytest.raises(RuntimeError, match=r"backward\(\) called inside a functorch"):
+            _step(engine, _inner_backward(leaf()), None, _x())
+        with pytest.raises(remat.RematError, match=(
+            r"_inner_backward\.<locals>\.fn \(.*test_forward_state\.py:\d+\) calls "
+            r"\.backward\(\) inside the region, under a torch\.func transform.*"
+            r"differentiate the whole computation with loss\.backward\(\)"
+        )):
+            _step(engine, _inner_backward(leaf()), policy, _x())
+        # The fix it names: loss.backward() outside torch.func (where engine='auto',
+        # the default, picks the eager engine) works, and accumulates once.
+        engine = Engine("eager")
     w_plain = leaf()
     expected, _ = _step(engine, _inner_backward(w_plain), None, _x())
     w = leaf()
@@ -300,6 +303,26 @@ def test_a_backward_inside_the_region_accumulates_once(
     assert w.grad is not None and w_plain.grad is not None
     torch.testing.assert_close(w.grad, w_plain.grad)
     _check_recomputed(engine, _inner_backward(leaf()), policy, lambda: (_x(),))
+
+
+@pytest.mark.parametrize("policy", CORE_POLICIES)
+def test_a_backward_inside_a_forced_functional_region_names_the_engine(policy: str) -> None:
+    def w_leaf() -> torch.Tensor:
+        return torch.linspace(0.5, 1.5, 3, dtype=torch.double).requires_grad_()
+
+    def grads(region: Callable[..., torch.Tensor], w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x = _x().requires_grad_()
+        return (*torch.autograd.grad(_tail(region(x)), [x]), w.grad)  # type: ignore[misc]
+
+    forced = remat.remat(_inner_backward(w_leaf()), policy=policy, engine="functional")
+    with pytest.raises(remat.RematError, match=(
+        r"_inner_backward\.<locals>\.fn \(.*\) calls \.backward\(\) inside the region, "
+        r"and engine='functional'.*Use engine='auto' \(the default\) or engine='eager'"
+    )):
+        grads(forced, w_leaf())
+    w_plain, w = w_leaf(), w_leaf()  # the fix: the default engine
+    expected = grads(_inner_backward(w_plain), w_plain)
+    assert_close_all(grads(remat.remat(_inner_backward(w), policy=policy), w), expected)
 
 
 def test_a_backward_into_module_parameters_inside_a_wrapped_module() -> None:

@@ -85,4 +85,8 @@ def test_compile_names_bench_saves_what_the_eager_engine_holds() -> None:
         assert row["compiled_saved_bytes"] - row["eager_held_bytes"] == offset, policy
     both = rows["dots-saveable+save:mlp_hidden"]
     assert both["compiled_saved_bytes"] == both["eager_held_bytes"]
+    # A view of a value the policy drops is dropped too (NOTE [ Record and replay ] rule 8).
+    dropped = rows["everything-except:mlp_hidden"]
+    assert dropped["compiled_saved_bytes"] == dropped["eager_held_bytes"]
+    assert dropped["compiled_backward_matmuls"] == dropped["eager_backward_matmuls"]
     assert both["compiled_saved_bytes"] > rows["dots-saveable"]["compiled_saved_bytes"]

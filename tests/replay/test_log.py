@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Fn, OpCounter, w44, x3
+from helpers import Fn, OpCounter, RecomputeCounter, w44, x3
 
 import remat
 from remat._policy.base import Decision
@@ -342,20 +342,18 @@ def test_tolist_of_dead_op_is_not_garbage() -> None:
     assert seen[1] == seen[0], "the recompute read an uninitialized stand-in"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason=(
-        "bug: a's recompute stores the stand-in of its dead `add` in box['h'] (a meta "
-        "tensor); b's recompute then fails in torch ('Tensor on device meta is not on the "
-        "expected device cpu!'), neither right nor a RematError naming a region and a fix"
-    ),
-)
+# NOTE [ Stand-ins in Python state ] in ``remat/_replay/stand_ins.py``.
 def test_stand_in_escaping_through_python_state() -> None:
     box: dict[str, torch.Tensor] = {}
 
     def a(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         box["h"] = (x @ w) + 1  # add saves nothing: dead in a's recompute
+        return (x @ w).cos().sin()
+
+    def a_fixed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = (x @ w) + 1  # the fix the error names: the same ops, stored in the forward only
+        if not remat.is_recomputing():
+            box["h"] = h
         return (x @ w).cos().sin()
 
     def b(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -367,15 +365,27 @@ def test_stand_in_escaping_through_python_state() -> None:
         ya = fa(x, w)
         forward_h = box["h"].detach().clone()
         yb = fb(torch.ones(2, 3, 4, requires_grad=True), w)
-        (g1,) = torch.autograd.grad(ya.sum(), w)  # recomputes a: box["h"] is replaced
+        (g1,) = torch.autograd.grad(ya.sum(), w)  # recomputes a: box["h"] may be replaced
         (g2,) = torch.autograd.grad(yb.sum(), w)  # recomputes b from box["h"]
         torch.testing.assert_close(box["h"].detach(), forward_h)
         return g1, g2, forward_h
 
     expected = run(a, b)
-    try:
-        actual = run(remat.remat(a, policy="dots-saveable"), remat.remat(b, policy="dots-saveable"))
-    except remat.RematError as e:  # loud is right too; the xfail above is then stale
-        pytest.fail(f"now a RematError (drop the xfail, assert this message): {e}")
+    for got, want in zip(run(a_fixed, b), expected, strict=True):  # the same function
+        torch.testing.assert_close(got, want)
+    region_b = remat.remat(b, policy="dots-saveable")
+    with pytest.raises(remat.RematError) as info:
+        run(remat.remat(a, policy="dots-saveable"), region_b)
+    message = str(info.value)
+    assert f"the recompute of {b.__qualname__} ({__file__}:" in message, message
+    where = f"{a.__qualname__} ({__file__}:{a.__code__.co_firstlineno})"
+    assert f"a stand-in made by the recompute of {where}" in message, message
+    assert "shape (2, 3, 4) for its op aten.add.Tensor" in message, message
+    assert "if not remat.is_recomputing(): box['h'] = h" in message, message
+    assert isinstance(info.value.__cause__, RuntimeError)
+    # The fix works: same gradients as without remat, and a's add is skipped still.
+    with RecomputeCounter() as counter:
+        actual = run(remat.remat(a_fixed, policy="dots-saveable"), region_b)
     for got, want in zip(actual, expected, strict=True):
         torch.testing.assert_close(got, want)
+    assert counter.counts["add"] == 0, counter.counts

@@ -17,6 +17,7 @@ from ..._pytree import tensor_leaves
 from ..._replay.checks import differs
 from ..._replay.modes import ReplayMode, detached, side_by_side
 from ..._replay.rng import check_batched_recompute
+from ..._replay.stand_ins import raise_if_leaked
 from ..autograd_inside import GradWatch, OutsideGradError, feeds
 from ..recompute import recompute_context
 from .finish import FinishingFrame
@@ -161,12 +162,22 @@ class RecomputingFrame(FinishingFrame):
             self._run_recompute(self._replay(None))
         except RematError:
             raise
-        except Exception:
+        except Exception as error:
+            serial = None if self.log is None else self.log.serial
             if live is None or all(live):
+                # Another recompute's stand-in kept in Python state (NOTE [ Stand-ins in
+                # Python state ] in ``_replay/stand_ins.py``)?
+                raise_if_leaked(self.region.label, serial, error)
                 raise
             # A dead op's stand-in reached Python (``tolist()``, state kept on an
             # object): run every op this time (NOTE [ Record and replay ] rule 5).
-            self._run_recompute(self._replay(None))
+            try:
+                self._run_recompute(self._replay(None))
+            except RematError:
+                raise
+            except Exception as again:
+                raise_if_leaked(self.region.label, serial, again)
+                raise
 
     def _replay(self, live: list[bool] | None) -> ReplayMode | None:
         if self.log is None:

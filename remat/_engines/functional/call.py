@@ -33,7 +33,7 @@ from ..region import Region
 from .arguments import Arguments, _argument_objects, _outer_views
 from .differentiated import run_as_differentiated
 from .guard import _Births, _HiddenInputGuard, unsubstituted_error
-from .levels import _below_all_levels, _inference_mode_errors, _tracked
+from .levels import _below_all_levels, _escape_seeds, _inference_mode_errors, _tracked
 from .lifetime import Backwards
 from .recording import _new_log, offload_at_forward_end
 from .substitution import _Substitution
@@ -87,6 +87,8 @@ class _Call:
         self.differentiated = [i for i, t in enumerate(self.inputs) if _tracked(t)]
         #: Whether a backward will come (of this call, or of the call a vmap twin is for).
         self.differentiable = bool(self.differentiated)
+        #: Inputs whose dependents, let out, must carry derivatives (NOTE [ Escaped tensors ]).
+        self.escape_seeds = _escape_seeds(self.inputs, self.differentiated)
         self.out_treedef: Any = None
         self.out_leaves: list[Any] = []
         self.out_positions: list[int] = []
@@ -198,7 +200,7 @@ class _Call:
         finally:
             self.guard = None
         self.rng_after = self.rng.now() if self.rng is not None else None
-        out, escaped = self.escapes.collect(out) if self.differentiated else (out, ())
+        out, escaped = self.escapes.collect(out) if self.escape_seeds else (out, ())
         if self.log is not None and self.differentiable:
             # Region inputs, parameters (inputs here) and outputs are alive anyway.
             alive = (*tensors, *out, *escaped)
@@ -209,9 +211,9 @@ class _Call:
 
     def watch(self, tensors: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
         """Note what ``fn`` may let out besides its outputs, when a backward will come."""
-        if not self.differentiated:
+        if not self.escape_seeds:
             return contextlib.nullcontext()
-        return self.escapes.watching([tensors[i] for i in self.differentiated])
+        return self.escapes.watching([tensors[i] for i in self.escape_seeds])
 
     def adopt(self, twin: _Call) -> None:
         """Take the forward's records from ``twin``: a backward inside the vmap replays them."""

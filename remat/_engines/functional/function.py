@@ -16,6 +16,7 @@ import torch
 from ..._compat import unwrap_if_dead
 from ..._compile import uncompiled
 from ..._replay.rng import check_batched_recompute
+from ..escapes import EscapeWatch
 from .call import _Call
 from .levels import (
     _backward_is_differentiated,
@@ -99,13 +100,23 @@ def _vmap_rule(
 def _jvp(ctx: Any, tangents: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
     """`_RematFunction.jvp`: recompute ``fn`` in full under ``torch.func.jvp``."""
     call: _Call = ctx.call
+    watch = _lets_out(call)
+    if watch is not None:
+        # The tangents come from running ``fn`` again now, inside the user's forward:
+        # what ``fn`` stores (a list entry, an attribute) would be the recompute's
+        # tensor, beside or instead of the one handed back (NOTE [ Escaped tensors ] rule 7).
+        raise watch.error_for_first(
+            "forward mode (jvp, jacfwd, hessian) the engine runs the function again "
+            "inside the forward for the tangents, which would store the recomputed "
+            "tensor as well (a second list entry, an overwritten attribute)"
+        )
     inputs = tuple(unwrap_if_dead(t) for t in ctx.saved_tensors)
     moving = [
         i
         for i, (t, d) in enumerate(zip(inputs, tangents[1:], strict=True))
         if d is not None and _differentiable(t)
     ]
-    total = len(call.out_positions) + len(call.escapes.found)
+    total = len(call.out_positions)  # no escaped tensors: refused above
     outputs = [i for i in range(total) if _is_float(call, i)]
 
     # Forward-mode AD interleaves tangent ops with the primal ones: no replay.
@@ -119,6 +130,16 @@ def _jvp(ctx: Any, tangents: tuple[torch.Tensor | None, ...]) -> tuple[torch.Ten
     for i, t in zip(outputs, out_tangents, strict=True):
         result[i] = t
     return tuple(result)
+
+def _lets_out(call: _Call) -> EscapeWatch | None:
+    """The escape watch that found tensors ``fn`` let out, if any: this call's, or, for a
+    vmap twin, the call's it is for (NOTE [ Escaped tensors ] rule 6)."""
+    while True:
+        if call.escapes.found:
+            return call.escapes
+        if not isinstance(call.user_fn, _VmapRunner):
+            return None
+        call = call.user_fn.call
 
 def _is_float(call: _Call, index: int) -> bool:
     if index >= len(call.out_positions):

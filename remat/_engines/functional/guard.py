@@ -24,6 +24,7 @@ from ..._replay.checks import OpTrace
 from ..autograd_inside import differentiated_by, feeds, outside_grad_error
 from ..escapes import EscapeWatch
 from ..region import Region
+from ..torch_func_refusal import backward_inside, is_backward_call
 from .levels import _wrapped
 
 
@@ -95,6 +96,8 @@ class _HiddenInputGuard:
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and id(leaf) not in self.known:
                 self.check(leaf, func)
+        if is_backward_call(func):
+            raise backward_inside(self.call.region.label, bool(self.call.outer_levels))
         targets = differentiated_by(func, args, kwargs)
         for t in targets:
             self.check_grad_target(t)

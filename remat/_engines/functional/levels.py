@@ -74,10 +74,24 @@ def _forward_ad_active() -> bool:
     """Whether a forward-mode level (functorch ``jvp`` or eager ``forward_ad``) is live."""
     return _forward_ad_levels() > 0
 
+def _escape_seeds(inputs: tuple[torch.Tensor, ...], differentiated: list[int]) -> list[int]:
+    """The inputs whose dependents, if ``fn`` lets them out, need derivatives.
+
+    The differentiated ones, and under a forward-mode level every differentiable
+    input: which inputs carry a tangent cannot be read below another level (a
+    ``jvp`` around a ``grad``, ``jacfwd`` around a ``vmap``). An escape made
+    from an input that has none gets a zero tangent: an extra output for nothing.
+    """
+    if not _forward_ad_active():
+        return differentiated
+    return [i for i, t in enumerate(inputs) if _differentiable(t)]
+
 def _forward_ad_levels() -> int:
     """How many forward-mode levels (functorch ``jvp``s, eager ``forward_ad``) are live."""
     jvps = sum(i.key() == JVP for i in interpreters())
-    return jvps + int(eager_forward_ad_level() >= 0)
+    # functorch's outermost jvp enters the eager dual level too, and torch refuses
+    # both at once ("Nested forward mode AD is not supported"): count it once.
+    return jvps if jvps else int(eager_forward_ad_level() >= 0)
 
 @contextlib.contextmanager
 def _inference_mode_errors(region: Region) -> Iterator[None]:

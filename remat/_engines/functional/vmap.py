@@ -93,7 +93,7 @@ class _VmapRunner:
         if not self.first:
             return escapes.run(lambda: self.run(example))
         self.first = False
-        differentiated = self.call.differentiated
+        differentiated = self.call.escape_seeds
         if not differentiated and not self.nested:
             return self.run(example)
         # Nested, a call no level differentiates may still be differentiated by the
