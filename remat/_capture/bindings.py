@@ -41,6 +41,9 @@ class Slot:
     read_versions: list[tuple[int, int, int | None]] = dataclasses.field(default_factory=list)
     #: Whether an in-place change of that tensor before the recompute raises.
     checked: bool = True
+    #: A module's ``_parameters``/``_buffers`` entry: the module state guard gives the
+    #: recompute what the forward read there (NOTE [ State the forward changes ]).
+    module_state: bool = False
 
 
 @dataclasses.dataclass
@@ -106,6 +109,18 @@ class Bindings:
                 if isinstance(leaf, torch.Tensor):
                     found.setdefault(id(leaf), slot.where)
         return found
+
+    def module_state(self) -> set[int]:
+        """Ids of the tensors found in modules' parameter and buffer tables: the module
+        state guard gives the recompute the tensors the forward read there (a slot
+        rebound since, a buffer the forward wrote: the value it started from)."""
+        return {
+            id(leaf)
+            for slot, _ in self._slots
+            if slot.module_state
+            for leaf in slot.leaves
+            if isinstance(leaf, torch.Tensor)
+        }
 
     def note_versions(self, used: set[int]) -> None:
         """After the forward: remember the version and storage of each tensor an op read.

@@ -185,7 +185,8 @@ class _Walker:
                 checked = store == "_parameters" or not is_stateful(sub)
                 for key, value in table.items():
                     if isinstance(value, torch.Tensor):
-                        self.bind(value, *_item_access(table, key), f"{path}.{key}", checked)
+                        access = _item_access(table, key)
+                        self.bind(value, *access, f"{path}.{key}", checked, module_state=True)
             self.attributes(sub, path, depth, modules_done=True)
 
     def attributes(self, obj: Any, where: str, depth: int, modules_done: bool = False) -> None:
@@ -253,6 +254,7 @@ class _Walker:
         set_: Callable[[Any], None],
         where: str,
         checked: bool = True,
+        module_state: bool = False,
     ) -> None:
         # An untracked tensor is no input, but its slot still gets the call's
         # tensor back while ``fn`` is recomputed (rule 4).
@@ -260,7 +262,10 @@ class _Walker:
         leaves: list[Any]
         leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
         positions = (0,) if is_tracked(value) else ()
-        slot = Slot(get, set_, where, positions, leaves, treedef, checked=checked)
+        slot = Slot(
+            get, set_, where, positions, leaves, treedef, checked=checked,
+            module_state=module_state,
+        )
         self.bindings.add(slot, leaves)
 
 

@@ -144,7 +144,7 @@ class Frame(RecomputingFrame):
                 holder.owned = False
                 where = self.closed_over(t)
                 if where is not None:
-                    self.outside_names[holder.index] = where
+                    self.note_outside(holder, t, where)
                 return Decision.SAVE  # made outside the region: a closure or a global
             record, position = holder.source
             decision = record.decision_at(position)
@@ -158,8 +158,7 @@ class Frame(RecomputingFrame):
                 if t._base is None:
                     self.note_unsure(t, holder)
                 elif (where := self.closed_over(t)) is not None:
-                    holder.owned = False
-                    self.outside_names[holder.index] = where
+                    self.note_outside(holder, t, where)
                     return Decision.SAVE
             assert self.decision is not None, "this is a bug in remat, please report it"
             decision = self.decision
@@ -205,9 +204,9 @@ class Frame(RecomputingFrame):
             where = self.closed_over(t)
             if where is None:
                 continue
-            holder.owned, holder.demotable = False, False
+            holder.demotable = False
             holder.tensor, holder.version = detached(t), version
-            self.outside_names[holder.index] = where
+            self.note_outside(holder, t, where)
 
     def closed_over(self, t: torch.Tensor) -> str | None:
         """Where the region found ``t`` (or the tensor ``t`` views) without receiving it.
@@ -224,8 +223,18 @@ class Frame(RecomputingFrame):
         if base is not None and base.is_leaf and base.requires_grad:
             return None
         if self.outside is None:  # walked once, at the first tensor saved
-            self.outside = find_closed_over(self.region.fn).reached()
-        where = self.outside.get(id(t))
-        if where is None and base is not None:
-            where = self.outside.get(id(base))
-        return where
+            bindings = find_closed_over(self.region.fn)
+            self.outside = bindings.reached()
+            self.outside_module_state = bindings.module_state()
+        found = id(t) if id(t) in self.outside or base is None else id(base)
+        return self.outside.get(found)
+
+    def note_outside(self, holder: Holder, t: torch.Tensor, where: str) -> None:
+        """``t`` was found outside the region at ``where``: keep it, and check in the
+        recompute that the binding still gives it (`check_rebound`), unless it is
+        module state the module state guard restores."""
+        holder.owned = False
+        self.outside_names[holder.index] = where
+        ids = {id(t)} if t._base is None else {id(t), id(t._base)}
+        if not ids & self.outside_module_state:
+            self.rebind_checked.add(holder.index)

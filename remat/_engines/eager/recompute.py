@@ -240,6 +240,8 @@ class RecomputingFrame(FinishingFrame):
         assert tensor is not None, "this is a bug in remat, please report it"
         if self.check:
             self.check_meta(index, tensor)
+        if self.rebind_checked:
+            self.check_rebound(index, tensor)
         kept = detached(tensor)
         holder = self.needed.get(index)
         if holder is not None:

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from ..._capture.module_state import state_guard_of
-from ..._compat import no_dispatch_modes
+from ..._compat import no_dispatch_modes, storage_address
 from ..._errors import RematError, SavedInputMutatedError
 from ..._offload.selection import current_store
 from ..._offload.store import Offloaded, next_serial
@@ -143,6 +143,10 @@ class FrameState:
         #: Tensors the region reads without receiving them (closures, globals,
         #: attributes), by id, with where they were found; None until needed.
         self.outside: dict[int, str] | None = None
+        #: Ids of outside tensors in modules' parameter and buffer tables (`check_rebound`).
+        self.outside_module_state: set[int] = set()
+        #: Holders of outside tensors the recompute must find bound still.
+        self.rebind_checked: set[int] = set()
         #: Saved holders of such tensors, by index: where the tensor was found.
         self.outside_names: dict[int, str] = {}
         #: Parameters (leaves requiring grad) the forward saved views of.
@@ -219,6 +223,32 @@ class FrameState:
             f"{self.region.label} saved ({what}) is "
             f"at version {holder.tensor._version}; expected version {holder.version}. "
             "Modify it after backward, or clone it before modifying it."
+        )
+
+    def check_rebound(self, index: int, recomputed: torch.Tensor) -> None:
+        """A tensor the region found without receiving it is the same in the recompute.
+
+        The forward kept it (a closure, a global, a dict entry, an attribute), so an
+        in-place write is caught by its version. A *rebinding* (a new tensor assigned
+        to the name, key or attribute) is not a write: the recompute reads the new
+        tensor and would differentiate a forward that never ran. The torch.func
+        engine passes such tensors as inputs of its Function and is not affected.
+        """
+        if index not in self.rebind_checked:
+            return
+        holder = self.holders[index]()
+        if holder is None or not isinstance(holder.tensor, torch.Tensor):
+            return
+        before, now = storage_address(holder.tensor), storage_address(recomputed)
+        if before == now or 0 in (before, now):
+            return
+        where = self.outside_names[index]
+        raise SavedInputMutatedError(
+            f"remat: {where} was rebound after the forward pass of {self.region.label} "
+            f"read it: the recompute reads a different tensor (saved tensor #{index}, "
+            f"shape {tuple(recomputed.shape)}), so the gradient would be that of a forward "
+            "that did not run. Assign the new tensor after backward, pass the tensor to "
+            "the region as an argument, or use policy='everything-saveable' for this region."
         )
 
     def check_inputs(self) -> None:
