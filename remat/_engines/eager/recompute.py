@@ -77,13 +77,13 @@ class RecomputingFrame(FinishingFrame):
         try:
             with no_dispatch_modes() if in_forward else contextlib.nullcontext():
                 try:
-                    with self.grad_watch():
+                    with _grad_watch(self):
                         self._recompute_or_retry(replay, live)
                 except RuntimeError:
-                    self.explain_outside_grad()
+                    _explain_outside_grad(self)
                     raise
                 if any(h.tensor is None for h in self.needed.values()):
-                    self.explain_outside_grad()
+                    _explain_outside_grad(self)
         finally:
             self.phase = Phase.FORWARD if in_forward else Phase.DONE
             self.offloaded.drop(restored)  # the collected holders keep what they need
@@ -116,39 +116,6 @@ class RecomputingFrame(FinishingFrame):
         for record in self.log.records:
             record.release()
         self.offloaded.prune()
-
-    def grad_watch(self) -> contextlib.AbstractContextManager[Any]:
-        """A `GradWatch` for a recompute whose forward ran a backward, else nothing.
-
-        A tensor reaching ``fn`` both directly and through a non-leaf argument
-        would get, in the recompute, a gradient without the second path: wrong,
-        and silent. Only regions whose forward ran a backward pay for the watch.
-        """
-        outer = [t for t in self.inputs if t.grad_fn is not None]
-        if not self.inner_backward or not outer:
-            return contextlib.nullcontext()
-        return GradWatch(self.region.label, lambda t: feeds(t, outer))
-
-    def explain_outside_grad(self) -> None:
-        """The recompute failed: raise `OutsideGradError` if that is why.
-
-        ``fn`` may call ``torch.autograd.grad`` with respect to a tensor that
-        reaches it only through a non-leaf argument (NOTE in ``_engines/autograd_inside.py``):
-        the forward saw that path, the recompute (on detached arguments) cannot.
-        Run again, watching those calls, only on this failure path: the watch is
-        a mode that would cost every recompute a Python call per op.
-        """
-        outer = [t for t in self.inputs if t.grad_fn is not None]
-        if not outer:
-            return
-        watch = GradWatch(self.region.label, lambda t: feeds(t, outer))
-        try:
-            with watch:
-                self._run_recompute(self._replay(None))
-        except OutsideGradError:
-            raise
-        except Exception:  # another failure: the caller raises the original
-            return
 
     def _recompute_or_retry(self, replay: ReplayMode | None, live: list[bool] | None) -> None:
         try:
@@ -257,3 +224,38 @@ class RecomputingFrame(FinishingFrame):
         if replay is None or self.log is None:
             return " Pass debug=True to remat.remat to see both op logs."
         return "\n" + side_by_side(self.log.op_names(), [str(f) for f in replay.ran])
+
+
+def _grad_watch(frame: RecomputingFrame) -> contextlib.AbstractContextManager[Any]:
+    """A `GradWatch` for a recompute whose forward ran a backward, else nothing.
+
+    A tensor reaching ``fn`` both directly and through a non-leaf argument
+    would get, in the recompute, a gradient without the second path: wrong,
+    and silent. Only regions whose forward ran a backward pay for the watch.
+    """
+    outer = [t for t in frame.inputs if t.grad_fn is not None]
+    if not frame.inner_backward or not outer:
+        return contextlib.nullcontext()
+    return GradWatch(frame.region.label, lambda t: feeds(t, outer))
+
+
+def _explain_outside_grad(frame: RecomputingFrame) -> None:
+    """The recompute failed: raise `OutsideGradError` if that is why.
+
+    ``fn`` may call ``torch.autograd.grad`` with respect to a tensor that
+    reaches it only through a non-leaf argument (NOTE in ``_engines/autograd_inside.py``):
+    the forward saw that path, the recompute (on detached arguments) cannot.
+    Run again, watching those calls, only on this failure path: the watch is
+    a mode that would cost every recompute a Python call per op.
+    """
+    outer = [t for t in frame.inputs if t.grad_fn is not None]
+    if not outer:
+        return
+    watch = GradWatch(frame.region.label, lambda t: feeds(t, outer))
+    try:
+        with watch:
+            frame._run_recompute(frame._replay(None))
+    except OutsideGradError:
+        raise
+    except Exception:  # another failure: the caller raises the original
+        return
