@@ -141,16 +141,16 @@ def test_a_tensor_subclass_still_sees_the_detach() -> None:
 
 
 def _walks(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    from remat._engines.eager import forward
+    from remat._engines.eager import outside
 
     walked: list[object] = []
-    real = forward.find_closed_over
+    real = outside.find_closed_over
 
     def counting(fn: object) -> object:
         walked.append(fn)
         return real(fn)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(forward, "find_closed_over", counting)
+    monkeypatch.setattr(outside, "find_closed_over", counting)
     return walked
 
 
