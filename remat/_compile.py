@@ -67,6 +67,10 @@ class UncompiledMode(PlainDispatchMode):
     the hook, `dispatch` is called directly.
     """
 
+    #: Runs ``func`` on ``args`` and ``kwargs`` as the mode does: each subclass
+    #: defines it (``RecordMode``, ``ReplayMode``).
+    dispatch: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         # Per mode, not once: resetting Dynamo may forget a code object's strategy.
@@ -78,7 +82,3 @@ class UncompiledMode(PlainDispatchMode):
         if dynamo_frame_hook() is None:
             return self.dispatch(func, args, kwargs or {})
         return _eager(self.dispatch, func, args, kwargs or {})
-
-    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run ``func`` on ``args`` and ``kwargs`` as this mode does."""
-        raise NotImplementedError
