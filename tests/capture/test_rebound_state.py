@@ -7,10 +7,10 @@ that ran, or a `remat.RematError`. The torch.func engine passes such tensors to 
 read. The eager engine keeps the tensors it finds outside the region and, in the
 recompute, refuses one that the binding now gives as a different tensor (a
 rebinding is not a write: no version counter catches it); the fixes it names work.
-One case stays open, pinned as a strict xfail: a region without an op log
-(`nothing-saveable`) that rebinds the entry itself during its forward; at the end of
-that forward nothing in Python references the old tensor, so it looks like an op's
-internal output (layer norm's statistics) and is recomputed from the new binding.
+A region without an op log (`nothing-saveable`) that rebinds the entry itself during
+its forward leaves the old tensor unreferenced, like an op's internal output (layer
+norm's statistics); the recompute then finds its tensor for that slot still bound
+outside the region, and refuses.
 """
 
 from __future__ import annotations
@@ -64,14 +64,9 @@ CASES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], bool]] = {
 @pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_rebound_state_gives_the_forwards_gradient_or_raises(
-    engine: Engine, case: str, policy: str, request: pytest.FixtureRequest
+    engine: Engine, case: str, policy: str
 ) -> None:
     fn, rebind_after = CASES[case]
-    if engine.name == "eager" and policy == "nothing-saveable" and not rebind_after:
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-            "eager, no op log: the tensor rebound inside the forward is unreferenced at "
-            "its end, taken for an op's internal output and recomputed: wrong gradient"
-        )))
     x = torch.tensor([0.3, -0.7, 1.1, 0.9], dtype=torch.double, requires_grad=True)
     _reset()
     (want,) = torch.autograd.grad(fn(x).sum(), x)

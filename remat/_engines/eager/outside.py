@@ -54,7 +54,10 @@ class OutsideTensors(RecomputingFrame):
         for holder, ref, version in unsure:
             t = ref()
             if t is None:
-                continue  # referenced from autograd's graph only
+                # Referenced from autograd's graph only: an op's own output, or a
+                # tensor the forward read and then rebound (`check_unbound`).
+                self.unreferenced.add(holder.index)
+                continue
             where = self.closed_over(t)
             if where is None:
                 continue

@@ -168,7 +168,9 @@ class RecomputingFrame(FinishingFrame):
             with self._recompute_context(replay):
                 self.region.fn(*args, **kwargs)
         except _StopRecompute:
-            return  # every holder the backward needs is full (NOTE [ The eager engine ] rule 2)
+            pass  # every holder the backward needs is full (NOTE [ The eager engine ] rule 2)
+        if self.recomputed_unreferenced:
+            self.check_unbound()
 
     def _recompute_context(self, replay: ReplayMode | None) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -209,6 +211,8 @@ class RecomputingFrame(FinishingFrame):
             self.check_meta(index, tensor)
         if self.rebind_checked:
             self.check_rebound(index, tensor)
+        if self.unreferenced:
+            self.note_unreferenced(index, tensor)
         kept = detached(tensor)
         holder = self.needed.get(index)
         if holder is not None:

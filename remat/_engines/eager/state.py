@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..._capture.closure import find_closed_over
 from ..._capture.module_state import state_guard_of
 from ..._compat import no_dispatch_modes, storage_address
 from ..._errors import RematError, SavedInputMutatedError
@@ -147,6 +148,10 @@ class FrameState:
         self.outside_module_state: set[int] = set()
         #: Holders of outside tensors the recompute must find bound still.
         self.rebind_checked: set[int] = set()
+        #: Holders of saved tensors without a ``grad_fn`` that nothing referenced at
+        #: the end of the forward, and the recompute's tensors for them (weakly).
+        self.unreferenced: set[int] = set()
+        self.recomputed_unreferenced: list[tuple[int, weakref.ref[torch.Tensor]]] = []
         #: Saved holders of such tensors, by index: where the tensor was found.
         self.outside_names: dict[int, str] = {}
         #: Parameters (leaves requiring grad) the forward saved views of.
@@ -250,6 +255,39 @@ class FrameState:
             "that did not run. Assign the new tensor after backward, pass the tensor to "
             "the region as an argument, or use policy='everything-saveable' for this region."
         )
+
+    def note_unreferenced(self, index: int, recomputed: torch.Tensor) -> None:
+        if index in self.unreferenced and recomputed.grad_fn is None:
+            self.recomputed_unreferenced.append((index, weakref.ref(recomputed)))
+
+    def check_unbound(self) -> None:
+        """After a recompute: a tensor the forward's saved slot had no reference to is
+        not now bound outside the region.
+
+        An op's own output (layer norm's mean) is as unreferenced after the
+        recompute as after the forward. One the recompute still reaches through a
+        global, a closure or a dict is what the binding gives *now*: the forward
+        read another tensor there and rebound it (``cache['w'] = new`` inside the
+        region), so the recompute differentiated a forward that did not run. Only
+        a tensor still alive is looked up, so the walk runs only then.
+        """
+        recomputed, self.recomputed_unreferenced = self.recomputed_unreferenced, []
+        alive = [(index, t) for index, ref in recomputed if (t := ref()) is not None]
+        if not alive:
+            return
+        bindings = find_closed_over(self.region.fn)
+        reached, module_state = bindings.reached(), bindings.module_state()
+        for index, t in alive:
+            where = reached.get(id(t))
+            if where is not None and id(t) not in module_state:
+                raise SavedInputMutatedError(
+                    f"remat: {where} was rebound after the forward pass of "
+                    f"{self.region.label} read it (saved tensor #{index}, shape "
+                    f"{tuple(t.shape)}): the recompute reads the new tensor, so the "
+                    "gradient would be that of a forward that did not run. Assign the "
+                    "new tensor after backward, pass the tensor to the region as an "
+                    "argument, or use policy='everything-saveable' for this region."
+                )
 
     def check_inputs(self) -> None:
         for position, (t, version) in enumerate(zip(self.inputs, self.versions, strict=True)):
