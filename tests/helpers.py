@@ -483,3 +483,34 @@ def step_program(steps: list[str]) -> Callable[[torch.Tensor, torch.Tensor], tor
         return h
 
     return run
+
+
+class LoRALinear(nn.Module):
+    """A frozen ``Linear`` plus a trainable rank-``rank`` update, as PEFT's LoRA builds it.
+
+    The small matmuls of the update are what make a hand policy such as
+    ``dots-saveable`` hold more than no remat at all (the budget tests).
+    """
+
+    def __init__(self, width: int, rank: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(width, width)
+        self.base.requires_grad_(False)  # frozen, as PEFT freezes it
+        self.a = nn.Parameter(torch.randn(rank, width) / 4)
+        self.b = nn.Parameter(torch.randn(width, rank) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.base(x) + (x @ self.a.t()) @ self.b.t())
+
+
+def tiny_bert_encoder() -> nn.Module:
+    """A two-layer BERT encoder of width 32 without dropout (transformers, random init)."""
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    encoder: nn.Module = transformers.BertModel(config).encoder
+    return encoder

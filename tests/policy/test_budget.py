@@ -10,7 +10,15 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import FRACTIONS, PROGRAMS, assert_close_all, held_bytes, recompute_cost
+from helpers import (
+    FRACTIONS,
+    PROGRAMS,
+    LoRALinear,
+    assert_close_all,
+    held_bytes,
+    recompute_cost,
+    tiny_bert_encoder,
+)
 
 import remat
 from remat._engines.budget_plans import plans_of
@@ -241,18 +249,6 @@ def test_a_call_whose_ops_differ_from_the_plan_keeps_nothing_then_replans() -> N
 # -- never more than no remat ------------------------------------------------------
 
 
-class LoRALinear(torch.nn.Module):
-    def __init__(self, width: int, rank: int) -> None:
-        super().__init__()
-        self.base = torch.nn.Linear(width, width)
-        self.base.requires_grad_(False)  # frozen, as PEFT freezes it
-        self.a = torch.nn.Parameter(torch.randn(rank, width) / 4)
-        self.b = torch.nn.Parameter(torch.randn(width, rank) / 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.base(x) + (x @ self.a.t()) @ self.b.t())
-
-
 def _plain_held(fn, x) -> int:  # type: ignore[no-untyped-def]
     return remat.measure_memory(lambda x: fn(x).sum(), x).held_bytes
 
@@ -272,14 +268,9 @@ def test_lora_stack_never_holds_more_than_no_remat() -> None:
 
 
 def test_whole_bert_encoder_region_never_holds_more_than_no_remat() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.BertModel(config).encoder
+    model = tiny_bert_encoder()
     x = torch.randn(2, 8, 32, requires_grad=True)
 
     def run(encoder):  # type: ignore[no-untyped-def]

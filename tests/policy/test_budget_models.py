@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import FRACTIONS, RecomputeCost, assert_close_all
+from helpers import FRACTIONS, LoRALinear, RecomputeCost, assert_close_all, tiny_bert_encoder
 from torch.utils.flop_counter import flop_registry
 
 import remat
@@ -110,18 +110,6 @@ def test_llama_no_budget_holds_or_peaks_above_no_remat() -> None:
     assert plan.budget_bytes == full_bytes - position_ids
 
 
-class LoRALinear(torch.nn.Module):
-    def __init__(self, width: int, rank: int) -> None:
-        super().__init__()
-        self.base = torch.nn.Linear(width, width)
-        self.base.requires_grad_(False)  # frozen, as PEFT freezes it
-        self.a = torch.nn.Parameter(torch.randn(rank, width) / 4)
-        self.b = torch.nn.Parameter(torch.randn(width, rank) / 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.gelu(self.base(x) + (x @ self.a.t()) @ self.b.t())
-
-
 @pytest.mark.parametrize("case", ["lora", "bert"])
 def test_held_and_peak_never_above_no_remat(case: str) -> None:
     torch.manual_seed(0)
@@ -130,12 +118,7 @@ def test_held_and_peak_never_above_no_remat(case: str) -> None:
         x = torch.randn(8, 32)
         out = lambda m: (lambda: m(x).sum())  # noqa: E731
     else:
-        config = transformers.BertConfig(
-            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-            intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-        model = transformers.BertModel(config).encoder
+        model = tiny_bert_encoder()
         x = torch.randn(2, 8, 32, requires_grad=True)
         out = lambda m: (lambda: m(x).last_hidden_state.sum())  # noqa: E731
     plain = _memory(out(model))
