@@ -514,3 +514,38 @@ def tiny_bert_encoder() -> nn.Module:
     )
     encoder: nn.Module = transformers.BertModel(config).encoder
     return encoder
+
+
+# -- a region with an escape inside another region (the escape tests, per transform) --
+
+#: Where `escape_outer` and `escape_inner` let a tensor out (a global list each).
+OUTER_ESCAPES: list[torch.Tensor] = []
+INNER_ESCAPES: list[torch.Tensor] = []
+
+
+def escape_inner(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    g = torch.tanh(h @ w)
+    INNER_ESCAPES.append(g)
+    return g.sin()
+
+
+def escape_outer(x: torch.Tensor, w: torch.Tensor,
+                 run_inner: Callable[..., torch.Tensor]) -> torch.Tensor:
+    h = torch.tanh(x @ w)
+    OUTER_ESCAPES.append(h * 1.5)
+    return run_inner(h, w).cos()
+
+
+def nested_escape_loss(run_inner: Callable[..., Any],
+                       run_outer: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """A loss reading both escaped tensors: `escape_outer` around `escape_inner`, either remat'd."""
+    def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        OUTER_ESCAPES.clear()
+        INNER_ESCAPES.clear()
+        y = run_outer(x, w, run_inner)
+        out = y.sum() + (OUTER_ESCAPES[0] ** 2).sum() + 3 * (INNER_ESCAPES[0] ** 2).sum()
+        OUTER_ESCAPES.clear()
+        INNER_ESCAPES.clear()
+        return out
+
+    return loss

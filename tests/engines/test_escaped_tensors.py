@@ -10,6 +10,7 @@ torch.func transform (NOTE [ Escaped tensors ] in ``remat/_remat/_engines/escape
 from __future__ import annotations
 
 import copy
+import re
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,14 @@ from typing import Any
 import optree
 import pytest
 import torch
-from helpers import CORE_POLICIES, OpCounter, assert_close_all
+from helpers import (
+    CORE_POLICIES,
+    OpCounter,
+    assert_close_all,
+    escape_inner,
+    escape_outer,
+    nested_escape_loss,
+)
 from torch import nn
 from torch.func import functional_call
 
@@ -349,50 +357,22 @@ def test_escape_that_cannot_be_swapped_raises_with_a_working_fix() -> None:
     assert_close_all(torch.func.grad(fixed_loss, argnums=(0, 1))(x, w), expected)
 
 
-INNER: list[torch.Tensor] = []
-
-
-def inner(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    g = torch.tanh(h @ w)
-    INNER.append(g)
-    return g.sin()
-
-
-def outer(x: torch.Tensor, w: torch.Tensor, run_inner: Callable[..., torch.Tensor]) -> torch.Tensor:
-    h = torch.tanh(x @ w)
-    CAPTURED.append(h * 1.5)
-    return run_inner(h, w).cos()
-
-
-def nested_loss(run_inner: Callable[..., Any], run_outer: Callable[..., Any]) -> Any:
-    def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        CAPTURED.clear()
-        INNER.clear()
-        y = run_outer(x, w, run_inner)
-        out = y.sum() + (CAPTURED[0] ** 2).sum() + 3 * (INNER[0] ** 2).sum()
-        CAPTURED.clear()
-        INNER.clear()
-        return out
-
-    return loss
-
-
 @pytest.mark.parametrize("inner_policy", ["nothing-saveable", "dots-saveable"])
 @pytest.mark.parametrize("outer_policy", ["nothing-saveable", "dots-saveable"])
 def test_nested_regions_with_escapes_raise_with_a_working_fix(
     inner_policy: str, outer_policy: str
 ) -> None:
     x, w = inputs()
-    expected = torch.func.grad(nested_loss(inner, outer), argnums=(0, 1))(x, w)
-    run_inner = remat.remat(inner, policy=inner_policy)
-    run_outer = remat.remat(outer, policy=outer_policy, static_argnums=(2,))
+    expected = torch.func.grad(nested_escape_loss(escape_inner, escape_outer), argnums=(0, 1))(x, w)
+    run_inner = remat.remat(escape_inner, policy=inner_policy)
+    run_outer = remat.remat(escape_outer, policy=outer_policy, static_argnums=(2,))
     with pytest.raises(remat.RematError) as info:
-        torch.func.grad(nested_loss(run_inner, run_outer), argnums=(0, 1))(x, w)
-    assert "test_escaped_tensors.py" in str(info.value)
+        torch.func.grad(nested_escape_loss(run_inner, run_outer), argnums=(0, 1))(x, w)
+    assert re.search(r"escape_(inner|outer) \(.*helpers.py:\d+\)", str(info.value))
     assert "remat only one of them" in str(info.value)
     # The fix the message gives: either region alone is exact.
-    for pair in ((run_inner, outer), (inner, run_outer)):
-        assert_close_all(torch.func.grad(nested_loss(*pair), argnums=(0, 1))(x, w), expected)
+    for pair in ((run_inner, escape_outer), (escape_inner, run_outer)):
+        assert_close_all(torch.func.grad(nested_escape_loss(*pair), argnums=(0, 1))(x, w), expected)
 
 
 # -- Hugging Face: Mixtral's router logits ------------------------------------------------------

@@ -11,13 +11,21 @@ its gradient, under every composition (NOTE [ Escaped tensors ] rule 6).
 from __future__ import annotations
 
 import copy
+import re
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from helpers import CORE_POLICIES, OpCounter, assert_close_all
+from helpers import (
+    CORE_POLICIES,
+    OpCounter,
+    assert_close_all,
+    escape_inner,
+    escape_outer,
+    nested_escape_loss,
+)
 from torch import nn
 from torch.func import functional_call, grad, hessian, jacfwd, jacrev, vmap
 
@@ -258,34 +266,6 @@ def batched_escape_plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 # -- a region with an escape inside another region, under vmap -------------------------------
 
-INNER: list[torch.Tensor] = []
-
-
-def inner(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    g = torch.tanh(h @ w)
-    INNER.append(g)
-    return g.sin()
-
-
-def outer(x: torch.Tensor, w: torch.Tensor, run_inner: Callable[..., torch.Tensor]) -> torch.Tensor:
-    h = torch.tanh(x @ w)
-    STORE.append(h * 1.5)
-    return run_inner(h, w).cos()
-
-
-def nested_loss(run_inner: Callable[..., Any], run_outer: Callable[..., Any]) -> Loss:
-    def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        STORE.clear()
-        INNER.clear()
-        y = run_outer(x, w, run_inner)
-        out = y.sum() + (STORE[0] ** 2).sum() + 3 * (INNER[0] ** 2).sum()
-        STORE.clear()
-        INNER.clear()
-        return out
-
-    return loss
-
-
 @pytest.mark.parametrize("composition", ["vmap(grad)", "grad(vmap)", "jacrev(vmap)",
                                          "eager backward through vmap"])
 @pytest.mark.parametrize("policies", [("nothing-saveable", "nothing-saveable"),
@@ -296,16 +276,17 @@ def test_nested_regions_with_escapes_under_vmap_raise_with_a_working_fix(
 ) -> None:
     xs, w, ws = inputs()
     run = COMPOSITIONS[composition]
-    expected = run(nested_loss(inner, outer), xs, w, ws)
-    run_inner = remat.remat(inner, policy=policies[0])
-    run_outer = remat.remat(outer, policy=policies[1], static_argnums=(2,))
+    expected = run(nested_escape_loss(escape_inner, escape_outer), xs, w, ws)
+    run_inner = remat.remat(escape_inner, policy=policies[0])
+    run_outer = remat.remat(escape_outer, policy=policies[1], static_argnums=(2,))
     with pytest.raises(remat.RematError) as info:
-        run(nested_loss(run_inner, run_outer), xs, w, ws)
+        run(nested_escape_loss(run_inner, run_outer), xs, w, ws)
     message = str(info.value)
-    assert "test_escapes_under_vmap.py" in message and "remat only one of them" in message
+    assert re.search(r"escape_(inner|outer) \(.*helpers.py:\d+\)", message)
+    assert "remat only one of them" in message
     # The fix the message gives: either region alone is exact.
-    for pair in ((run_inner, outer), (inner, run_outer)):
-        assert_close_all(run(nested_loss(*pair), xs, w, ws), expected)
+    for pair in ((run_inner, escape_outer), (escape_inner, run_outer)):
+        assert_close_all(run(nested_escape_loss(*pair), xs, w, ws), expected)
 
 
 # -- Hugging Face: GPT-2's attentions, collected by a hook, per example -----------------------
