@@ -8,25 +8,24 @@ advances like the default ones, so the recompute would draw other numbers.
 arguments, and in what its function reaches (closure cells, default
 arguments, the globals its code names, attributes of a bound method's object,
 of modules and their submodules, of objects and containers held there, a few
-levels deep and a few dozen items wide). Their states are captured with the default generators' and
-restored for the recompute. A generator reached otherwise (returned by a
-function call) is not found: the docs say to pass it as an argument.
+levels deep and a few dozen items wide; `_replay/generators.py`, which walks
+once per function: NOTE [ The generator walk cache ]). Their states are
+captured with the default generators' and restored for the recompute. A
+generator reached otherwise (returned by a function call) is not found: the
+docs say to pass it as an argument.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import itertools
-import types
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 
 from .._compat import VMAP, interpreters, no_dispatch_modes
 from .._errors import RematError
+from .generators import generators_of
 
 __all__ = ["RngState", "check_batched_recompute", "generators_of", "vmap_levels"]
 
@@ -90,81 +89,6 @@ class RngState:
                 torch.cuda.set_rng_state(state, device)
             for generator, state in explicit_now:
                 generator.set_state(state)
-
-
-_MAX_DEPTH = 4
-#: Items looked at in one container (a closed-over dataset is no place for generators).
-_MAX_ITEMS = 64
-#: Values that hold no generator (most of what a walk meets: module flags, sizes).
-_ATOMS = frozenset({int, float, bool, str, bytes, type(None), torch.Tensor, torch.nn.Parameter})
-
-
-def generators_of(fn: Any, leaves: Iterable[Any] = ()) -> list[torch.Generator]:
-    """The ``torch.Generator``s a region's call can reach (NOTE [ Explicit generators ])."""
-    found: list[torch.Generator] = []
-    seen: set[int] = set()
-
-    def visit(obj: Any, depth: int) -> None:
-        if type(obj) in _ATOMS or depth > _MAX_DEPTH or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, torch.Generator):
-            found.append(obj)
-        elif isinstance(obj, (list, tuple)):
-            for item in itertools.islice(obj, _MAX_ITEMS):
-                visit(item, depth + 1)
-        elif isinstance(obj, dict):
-            for item in itertools.islice(obj.values(), _MAX_ITEMS):
-                visit(item, depth + 1)
-        elif isinstance(obj, functools.partial):
-            visit(obj.func, depth + 1)
-            visit(obj.args, depth + 1)
-            visit(obj.keywords, depth + 1)
-        elif isinstance(obj, types.MethodType):
-            visit(obj.__self__, depth + 1)
-            visit(obj.__func__, depth + 1)
-        elif isinstance(obj, types.FunctionType):
-            visit_function(obj, depth)
-        elif isinstance(obj, torch.nn.Module):
-            for sub in obj.modules():  # its own attributes and every submodule's
-                seen.add(id(sub))
-                for key, value in vars(sub).items():
-                    if not key.startswith("_"):
-                        visit(value, depth + 1)
-                visit(type(sub).forward, depth + 1)
-        elif hasattr(obj, "__dict__") and not isinstance(
-            obj, (type, types.ModuleType, torch.Tensor)
-        ):
-            visit(vars(obj), depth + 1)
-            visit(vars(type(obj)).get("__call__"), depth + 1)  # a callable object's code
-
-    def visit_function(fn: types.FunctionType, depth: int) -> None:
-        for cell in fn.__closure__ or ():
-            try:
-                visit(cell.cell_contents, depth + 1)
-            except ValueError:  # an empty cell
-                continue
-        visit(fn.__defaults__, depth + 1)
-        visit(fn.__kwdefaults__, depth + 1)
-        scope = fn.__globals__
-        for name in _names(fn.__code__):
-            if name in scope:
-                visit(scope[name], depth + 1)
-
-    for leaf in leaves:
-        visit(leaf, 0)
-    visit(fn, 0)
-    return found
-
-
-@functools.lru_cache(maxsize=1024)
-def _names(code: types.CodeType) -> tuple[str, ...]:
-    """The names ``code`` (and code nested in it) may look up as globals."""
-    names = list(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names.extend(_names(const))
-    return tuple(dict.fromkeys(names))
 
 
 def vmap_levels() -> frozenset[int]:
