@@ -43,6 +43,7 @@ __all__ = [
     "current_level",
     "detach_past_modes",
     "dispatch_mode_stack",
+    "dispatch_mode_depth",
     "dynamo_frame_hook",
     "eager_forward_ad_level",
     "functorch_disabled",
@@ -55,6 +56,7 @@ __all__ = [
     "keeping_version_counters",
     "modes_if_only",
     "never_traced",
+    "nothing_compiles",
     "no_dispatch_modes",
     "physical",
     "stateful_module_types",
@@ -218,6 +220,8 @@ def keeping_version_counters() -> AbstractContextManager[Any]:
 
 
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
+#: How many dispatch modes are active on this thread (private, 2.13).
+dispatch_mode_depth = _dispatch_stack_len
 _dispatch_stack_at = torch._C._get_dispatch_stack_at
 _NoPythonDispatch = torch._C._DisableTorchDispatch
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -380,6 +384,16 @@ def torch_tree_leaves(tree: Any) -> list[Any]:
 #: Dynamo *traces* the caller, not whether it would compile the frames the
 #: caller enters; 2.13).
 dynamo_frame_hook = torch._C._dynamo.eval_frame.get_eval_frame_callback
+
+
+def nothing_compiles() -> bool:
+    """``not torch.compiler.is_compiling() and dynamo_frame_hook() is None`` in one call.
+
+    For hooks that torch calls from C++ (saved-tensor hooks), which Dynamo never
+    traces as bytecode: outside TorchScript ``is_compiling`` is its private flag,
+    which Dynamo holds set while it compiles (2.13).
+    """
+    return not torch.compiler._is_compiling_flag and dynamo_frame_hook() is None
 
 _eval_frame = torch._C._dynamo.eval_frame
 

@@ -26,9 +26,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._compat import PlainDispatchMode, dynamo_frame_hook, never_traced
+from ._compat import PlainDispatchMode, dynamo_frame_hook, never_traced, nothing_compiles
 
-__all__ = ["UncompiledMode", "uncompiled"]
+__all__ = ["UncompiledMode", "runs_plainly", "uncompiled"]
+
+#: Whether a saved-tensor hook may call its body directly, as `uncompiled` would:
+#: nothing compiles on this thread. One call where `uncompiled` makes four; only
+#: for hooks torch calls from C++, never for code Dynamo may trace as bytecode
+#: (a region call, a module hook), where `uncompiled` must run.
+runs_plainly: Callable[[], bool] = nothing_compiles
 
 R = TypeVar("R")
 

@@ -139,6 +139,8 @@ class StateGuard(RestoringGuard):
         self.watched: list[Watched] = []
         self.written: list[Watched] = []
         self._watch_keys: set[tuple[int, str, int]] = set()
+        #: id(module) -> its slots' names and tensors' ids when last watched.
+        self._slot_ids: dict[int, tuple[Any, ...]] = {}
         #: While recomputing: (id(table), name) -> the start value of every slot
         #: the recompute gets a copy in; and the copy each holds now.
         self._swaps: dict[tuple[int, str], torch.Tensor] | None = None
@@ -195,6 +197,10 @@ class StateGuard(RestoringGuard):
                 yield
         except BaseException:
             self.grad_watch.close()  # no hook left on the user's leaves
+            # Stopped (an outer recompute that has what it needs): a recompute of
+            # this call may still come, against the versions the forward found.
+            for pin in self.pins or ():
+                pin.storage = storage_identity(pin.tensor)
             raise
         if self.pins is None:
             self.pins = []
@@ -213,6 +219,7 @@ class StateGuard(RestoringGuard):
         self.written = list(written.values())
         self.watched = []
         self._watch_keys = set()
+        self._slot_ids = {}
         self.grads_written = self.grad_watch.close()
         # What the recompute gets back as the forward found it is state, like a
         # stateful module's: a second forward that writes it again is no mutation.
@@ -238,7 +245,7 @@ class StateGuard(RestoringGuard):
             self._reswap(module)
         elif id(module) not in self._pinned_ids:
             self._pin(type(module).__qualname__, module, recurse=True)
-        else:
+        elif self._slot_ids.get(id(module)) != _slot_ids(module):  # else nothing new
             self._watch(type(module).__qualname__, module, is_stateful(module))
 
     def _pin(self, where: str, module: nn.Module, recurse: bool) -> None:
@@ -262,11 +269,23 @@ class StateGuard(RestoringGuard):
         return watching(self) if self.watch else contextlib.nullcontext()
 
     def _watch(self, path: str, module: nn.Module, stateful: bool) -> None:
+        # What the slots hold now, all watched below: a module run again with the
+        # same tensors in the same slots is skipped by `saw` (the watched list
+        # holds them, so no id is reused before `_note_writes` clears both).
+        self._slot_ids[id(module)] = _slot_ids(module)
         watched = watch_slots(path, module, stateful, self._watch_keys)
         self.watched.extend(watched)
         for w in watched:
             if self.grads and w.parameter and has_grad_slot(w.tensor):
                 self.grad_watch.watch(w.tensor)
+
+
+def _slot_ids(module: nn.Module) -> tuple[Any, ...]:
+    params, buffers = module._parameters, module._buffers
+    return (
+        id(params), *params, *map(id, params.values()),
+        id(buffers), *buffers, *map(id, buffers.values()),
+    )
 
 
 def state_guard_of(

@@ -9,7 +9,6 @@ changes ] in ``_capture/module_state.py``); `Accumulations`: rule 3's ``.grad`` 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -52,10 +51,14 @@ class Pin:
     parameter: bool
 
 
-def pins_of(where: str, table: dict[str, Any], parameter: bool) -> Iterator[Pin]:
-    for name, t in table.items():
-        if isinstance(t, torch.Tensor):
-            yield Pin(where, table, name, t, t._version, storage_identity(t), parameter)
+def pins_of(where: str, table: dict[str, Any], parameter: bool) -> list[Pin]:
+    """Pins of ``table``'s tensors. Their storage is read when the forward ends or
+    stops (what the recompute compares with), not here: once per tensor."""
+    return [
+        Pin(where, table, name, t, t._version, None, parameter)
+        for name, t in table.items()
+        if isinstance(t, torch.Tensor)
+    ]
 
 
 @dataclasses.dataclass

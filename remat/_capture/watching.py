@@ -16,7 +16,7 @@ from torch import nn
 
 from .._compat import global_forward_pre_hooks
 from .._compile import uncompiled
-from .._state import internal, local
+from .._state import INTERNAL, local
 
 __all__ = ["ModuleWatcher", "watching"]
 
@@ -65,6 +65,6 @@ def _pre_hook(module: nn.Module, args: Any) -> None:
 
 
 def _saw(module: nn.Module) -> None:
-    with internal():
+    with INTERNAL:
         for guard in local.state_guards:
             guard.saw(module)

@@ -2,25 +2,32 @@
 
 NOTE [ Explicit generators ] in ``_replay/rng.py`` says what is reached. The walk
 meets the same objects on every call of a region (a module's submodules and
-flags, the globals its code names), so each function's walk is kept with every
-read it made, and the next call re-reads only those (NOTE [ The generator walk
-cache ]).
+flags, the globals its code names), so each function's walk is kept as the
+list of reads it made, and the next call replays only those (NOTE [ The
+generator walk cache ]).
 
 NOTE [ The generator walk cache ]
-1. A walk records each read it makes: a mapping's or a sequence's length and
-   each item it looks at, a closure cell's contents, an attribute (a function's
-   ``__code__``/``__defaults__``, an object's class, a class's ``forward``).
-   An item that cannot hold a generator (an int, a string, a tensor: `_ATOMS`)
-   is recorded by kind only; any other by identity.
-2. The cache is valid while every recorded read gives what it gave: any new,
-   removed or rebound attribute, global, cell, submodule, list or dict item on
-   the walked path walks again. So a generator bound after the first call (a
-   module attribute, a global, a closure cell, an entry of a dict the function
-   reaches) is found on the next call.
-3. The check holds the read containers and the non-atom values they held, so
-   no identity is reused while it is compared; an entry goes when its function
-   is collected, and the table keeps at most `_MAX_ENTRIES` functions. A
-   function that cannot be weakly referenced is walked on every call.
+1. A walk records each read it makes as a step from an earlier step's value
+   (the function is value 0): a dict's or a sequence's length and each item it
+   looks at, a closure cell's contents, an attribute (a function's ``__code__``,
+   ``__defaults__`` and ``__globals__``, a module's ``_modules`` and
+   ``__dict__``, an object's class, a class's ``forward``), and what the value
+   must be: an atom (an int, a string, a tensor: `_ATOMS`, which hold no
+   generator), of the same type (a container or an object the walk went into,
+   whose contents later steps read), the same object as an earlier step's
+   (the walk met it twice), or the same generator, class or code object.
+2. The cache is valid while replaying the steps from the function gives what
+   they gave: any new, removed or rebound attribute, global, cell, submodule,
+   list or dict item on the walked path walks again. So a generator bound after
+   the first call (a module attribute, a global, a closure cell, an entry of a
+   dict the function reaches) is found on the next call.
+3. A walk references strongly only the generators it found, and classes and
+   code objects that take no weak reference; the function, classes and code
+   objects weakly, containers not at all (each replay reads them afresh from
+   the function). So a cycle through a kept walk cannot keep a function
+   alive: an entry goes when its function is collected, and the table keeps at
+   most `_MAX_ENTRIES` functions. A function that takes no weak reference is
+   walked on every call.
 4. The call's arguments are walked on every call (they change per call).
 """
 
@@ -28,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import operator
 import threading
 import types
 import weakref
@@ -47,152 +53,192 @@ _ATOMS = frozenset({int, float, bool, str, bytes, type(None), torch.Tensor, torc
 #: Functions whose walks are kept (rule 3).
 _MAX_ENTRIES = 512
 
-class _Missing:
-    """An absent global, attribute or empty cell (weakly referenceable, as reads expect)."""
 
-    __slots__ = ("__weakref__",)
+class _Missing:
+    """An absent global, attribute or empty cell."""
+
+    __slots__ = ()
 
 
 _MISSING = _Missing()
-#: Stands for a recorded atom: the read must still give an atom (rule 1).
-_ATOM = object()
+
+# How a step reads its value from an earlier one (rule 1).
+_GET, _ITEM, _ATTR, _CELL, _LEN, _VARS, _OWN = range(7)
+# What the value must be: an atom, anything (past the depth), of the same type,
+# the same object as an earlier step's, the object a call gives (a weak reference).
+_IS_ATOM, _ANY, _TYPE, _SAME, _IS, _SAME_AS_MISSING = range(6)
+
+
+def _is_atom(value: Any) -> bool:
+    # A tensor of any type holds no generator, and is never weakly referenced
+    # here (``torch.utils.swap_tensors`` refuses a tensor that is).
+    return type(value) in _ATOMS or isinstance(value, torch.Tensor)
 
 
 def _getter(obj: Any) -> Callable[[], Any]:
     """A call that gives ``obj`` back: a weak reference where it takes one (rule 3)."""
     try:
         return weakref.ref(obj)
-    except TypeError:  # a dict, a list, None, a cell: held
+    except TypeError:  # a class or code object without weak references: held
         return itertools.repeat(obj).__next__
 
 
-class _Walk:
-    """One walk: the generators found and the reads that found them (rule 1).
+def _contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return _MISSING
 
-    The reads are kept in flat columns, so that `unchanged` compares them in C
-    (``map``), not item by item in Python.
-    """
+
+def _read(obj: Any, op: int, key: Any) -> Any:
+    if op == _GET:
+        return obj.get(key, _MISSING)
+    if op == _ITEM:
+        return obj[key] if key < len(obj) else _MISSING
+    if op == _ATTR:
+        return getattr(obj, key, _MISSING)
+    if op == _CELL:
+        return _contents(obj)
+    if op == _VARS:
+        return vars(obj)
+    return vars(obj).get(key, _MISSING)  # _OWN: defined by the class itself
+
+
+class _Walk:
+    """One walk: the generators found and the steps that found them (rule 1)."""
 
     def __init__(self) -> None:
         self.found: list[torch.Generator] = []
-        self.seen: set[int] = set()
-        #: Containers (dicts, lists) and their lengths.
-        self.sized: list[Any] = []
-        self.lengths: list[int] = []
-        #: Per way of reading (``dict.get``, `_item`, ``getattr``, `_own`), the reads
-        #: that gave an atom: calls giving the owner, the keys, the atoms' types.
-        self.atom_reads: dict[Callable[..., Any], tuple[list[Any], list[Any], list[type]]] = {}
-        #: The reads that gave another object: owners, keys, calls giving the object.
-        self.obj_reads: dict[Callable[..., Any], tuple[list[Any], list[Any], list[Any]]] = {}
-        #: (cell, _ATOM or a call giving what it held).
-        self.cells: list[tuple[types.CellType, Any]] = []
+        #: id of each object the walk went into -> its step's value index.
+        self.seen: dict[int, int] = {}
+        #: (source value index, how read, key, what it must be, expected).
+        self.steps: list[tuple[int, int, Any, int, Any]] = []
 
-    def unchanged(self) -> bool:
-        """Whether every read gives what it gave (rule 2)."""
-        if list(map(len, self.sized)) != self.lengths:  # first: the indexes are in range
-            return False
-        for read, (owners, keys, kinds) in self.atom_reads.items():
-            now = map(read, map(operator.call, owners), keys, itertools.repeat(_MISSING))
-            if list(map(type, now)) != kinds:
-                return False
-        for read, (owners, keys, getters) in self.obj_reads.items():
-            now = map(read, map(operator.call, owners), keys, itertools.repeat(_MISSING))
-            # A dead weak reference gives None: the slot holds another object then,
-            # "unchanged" only if it is None, which reaches no generator either.
-            if not all(map(operator.is_, now, map(operator.call, getters))):
-                return False
-        for cell, expected in self.cells:
-            now = _contents(cell)
-            if expected is _ATOM:
-                if type(now) not in _ATOMS:
+    def unchanged(self, root: Any) -> bool:
+        """Whether replaying the steps from ``root`` gives what they gave (rule 2)."""
+        values = [root]
+        for src, op, key, kind, expected in self.steps:
+            obj = values[src]
+            if op == _LEN:
+                if len(obj) != key:
                     return False
-            elif now is not expected():
+                values.append(None)
+                continue
+            if op == _GET:  # inline, not `_read`: this loop is the cache's whole cost
+                now = obj.get(key, _MISSING)
+            elif op == _ATTR:
+                now = getattr(obj, key, _MISSING)
+            else:
+                now = _read(obj, op, key)
+            if kind == _IS_ATOM:
+                if type(now) not in _ATOMS and not isinstance(now, torch.Tensor):
+                    return False
+            elif kind == _SAME_AS_MISSING:
+                if now is not _MISSING:
+                    return False
+            elif kind == _TYPE:
+                if type(now) is not expected:
+                    return False
+            elif kind == _SAME:
+                if now is not values[expected]:
+                    return False
+            elif kind == _IS and now is not expected():
                 return False
+            values.append(now)
         return True
 
-    def read(self, read: Callable[..., Any], owner: Any, key: Any, value: Any) -> Any:
-        if type(value) in _ATOMS:
-            owners, keys, kinds = self.atom_reads.setdefault(read, ([], [], []))
-            kinds.append(type(value))
+    def _record(self, src: int, op: int, key: Any, kind: int, expected: Any) -> int:
+        self.steps.append((src, op, key, kind, expected))
+        return len(self.steps)  # the index of its value (value 0 is the function)
+
+    def length(self, src: int, container: Any) -> None:
+        self._record(src, _LEN, len(container), _ANY, None)
+
+    def part(self, src: int, op: int, key: Any, value: Any) -> int:
+        """A structural read the walk does not go into (a table of globals, a ``__dict__``)."""
+        return self._record(src, op, key, _TYPE, type(value))
+
+    def step(self, src: int, op: int, key: Any, value: Any, depth: int) -> None:
+        """Read ``value`` from value ``src`` and walk it, as the walk of old visited it."""
+        if _is_atom(value):
+            self._record(src, op, key, _IS_ATOM, None)
+        elif value is _MISSING:  # most names a function's code holds are no globals
+            self._record(src, op, key, _SAME_AS_MISSING, None)
+        elif depth > _MAX_DEPTH:
+            self._record(src, op, key, _ANY, None)
+        elif id(value) in self.seen:
+            self._record(src, op, key, _SAME, self.seen[id(value)])
+        elif isinstance(value, torch.Generator):
+            self.seen[id(value)] = self._record(src, op, key, _IS, _getter(value))
+            self.found.append(value)
         else:
-            owners, keys, getters = self.obj_reads.setdefault(read, ([], [], []))
-            getters.append(_getter(value))
-        owners.append(_getter(owner))
-        keys.append(key)
-        return value
+            at = self.seen[id(value)] = self._record(src, op, key, _TYPE, type(value))
+            self.into(at, value, depth)
 
-    def attr(self, obj: Any, name: str) -> Any:
-        return self.read(getattr, obj, name, getattr(obj, name, _MISSING))
-
-    def sized_container(self, container: Any) -> None:
-        self.sized.append(container)
-        self.lengths.append(len(container))
-
-    def mapping(self, table: dict[Any, Any], depth: int, public: bool = False) -> None:
-        self.sized_container(table)
-        for key, value in itertools.islice(table.items(), _MAX_ITEMS):
-            if public and isinstance(key, str) and key.startswith("_"):
-                continue
-            self.visit(self.read(dict.get, table, key, value), depth + 1)
-
-    def visit(self, obj: Any, depth: int) -> None:
-        if type(obj) in _ATOMS or depth > _MAX_DEPTH or id(obj) in self.seen:
-            return
-        self.seen.add(id(obj))
-        if isinstance(obj, torch.Generator):
-            self.found.append(obj)
-        elif isinstance(obj, tuple):  # immutable: its items are its identity
-            for item in itertools.islice(obj, _MAX_ITEMS):
-                self.visit(item, depth + 1)
-        elif isinstance(obj, list):
-            self.sized_container(obj)
+    def into(self, at: int, obj: Any, depth: int) -> None:
+        """Walk the parts of ``obj``, the value of step ``at``."""
+        if isinstance(obj, (tuple, list)):
+            self.length(at, obj)
             for i, item in enumerate(itertools.islice(obj, _MAX_ITEMS)):
-                self.visit(self.read(_item, obj, i, item), depth + 1)
+                self.step(at, _ITEM, i, item, depth + 1)
         elif isinstance(obj, dict):
-            self.mapping(obj, depth)
+            self.length(at, obj)
+            for key, value in itertools.islice(obj.items(), _MAX_ITEMS):
+                self.step(at, _GET, key, value, depth + 1)
         elif isinstance(obj, functools.partial):
             for name in ("func", "args", "keywords"):
-                self.visit(self.attr(obj, name), depth + 1)
-        elif isinstance(obj, types.MethodType):  # immutable
-            self.visit(obj.__self__, depth + 1)
-            self.visit(obj.__func__, depth + 1)
+                self.step(at, _ATTR, name, getattr(obj, name), depth + 1)
+        elif isinstance(obj, types.MethodType):
+            self.step(at, _ATTR, "__self__", obj.__self__, depth + 1)
+            self.step(at, _ATTR, "__func__", obj.__func__, depth + 1)
         elif isinstance(obj, types.FunctionType):
-            self.function(obj, depth)
+            self.function(at, obj, depth)
         elif isinstance(obj, torch.nn.Module):
-            self.module(obj, depth)
+            self.module(at, obj, depth)
         elif hasattr(obj, "__dict__") and not isinstance(
             obj, (type, types.ModuleType, torch.Tensor)
         ):
-            cls = self.attr(obj, "__class__")  # a callable object's code: its own
-            call = vars(cls).get("__call__", _MISSING)
-            self.read(_own, cls, "__call__", call)
-            self.mapping(vars(obj), depth)
-            self.visit(call, depth + 1)
+            cls = self._record(at, _ATTR, "__class__", _IS, _getter(type(obj)))
+            # A callable object's code: its class's own ``__call__``.
+            self.step(cls, _OWN, "__call__", vars(type(obj)).get("__call__", _MISSING), depth + 1)
+            self.step(at, _VARS, None, vars(obj), depth + 1)
 
-    def function(self, fn: types.FunctionType, depth: int) -> None:
-        for cell in fn.__closure__ or ():  # the closure tuple itself cannot be rebound
-            value = _contents(cell)
-            self.cells.append((cell, _ATOM if type(value) in _ATOMS else _getter(value)))
-            self.visit(value, depth + 1)
-        self.visit(self.attr(fn, "__defaults__"), depth + 1)
-        self.visit(self.attr(fn, "__kwdefaults__"), depth + 1)
-        code = self.attr(fn, "__code__")
-        scope = fn.__globals__
-        for name in _names(code):
-            self.visit(self.read(dict.get, scope, name, scope.get(name, _MISSING)), depth + 1)
+    def function(self, at: int, fn: types.FunctionType, depth: int) -> None:
+        closure = self.part(at, _ATTR, "__closure__", fn.__closure__)
+        cells = fn.__closure__ or ()
+        if fn.__closure__ is not None:  # else its type, None, is checked
+            self.length(closure, cells)
+        for i, cell in enumerate(cells):
+            held = self.part(closure, _ITEM, i, cell)
+            self.step(held, _CELL, None, _contents(cell), depth + 1)
+        self.step(at, _ATTR, "__defaults__", fn.__defaults__, depth + 1)
+        self.step(at, _ATTR, "__kwdefaults__", fn.__kwdefaults__, depth + 1)
+        self._record(at, _ATTR, "__code__", _IS, _getter(fn.__code__))
+        scope = self.part(at, _ATTR, "__globals__", fn.__globals__)
+        for name in _names(fn.__code__):
+            self.step(scope, _GET, name, fn.__globals__.get(name, _MISSING), depth + 1)
 
-    def module(self, module: torch.nn.Module, depth: int) -> None:
-        # Its own public attributes and every submodule's, as ``modules()`` finds them.
-        subs = list(module.modules())
-        self.seen.update(id(sub) for sub in subs)
-        for sub in subs:
-            children = sub._modules  # submodules added, removed or replaced: walk again
-            self.sized_container(children)
-            for name, child in children.items():
-                self.read(dict.get, children, name, child)
-            self.mapping(vars(sub), depth, public=True)
-            cls = self.attr(sub, "__class__")
-            self.visit(self.attr(cls, "forward"), depth + 1)
+    def module(self, at: int, module: torch.nn.Module, depth: int) -> None:
+        # Its own public attributes and every submodule's, as ``modules()`` finds
+        # them, each at the depth after the module's.
+        pending = [(at, module)]
+        while pending:
+            where, sub = pending.pop(0)
+            children = self.part(where, _ATTR, "_modules", sub._modules)
+            self.length(children, sub._modules)
+            for name, child in sub._modules.items():
+                if child is None or id(child) in self.seen:
+                    self.step(children, _GET, name, child, depth)  # an atom, or seen
+                    continue
+                self.seen[id(child)] = index = self.part(children, _GET, name, child)
+                pending.append((index, child))
+            table = self.part(where, _VARS, None, vars(sub))
+            self.length(table, vars(sub))
+            for key, value in itertools.islice(vars(sub).items(), _MAX_ITEMS):
+                if not (isinstance(key, str) and key.startswith("_")):
+                    self.step(table, _GET, key, value, depth + 1)
+            cls = self._record(where, _ATTR, "__class__", _IS, _getter(type(sub)))
+            self.step(cls, _ATTR, "forward", type(sub).forward, depth + 1)
 
 
 #: id(function) -> (a weak reference to it, its walk) (rule 3).
@@ -202,11 +248,13 @@ _walks_lock = threading.Lock()
 
 def _walk_of(fn: Any) -> _Walk:
     entry = _walks.get(id(fn))
-    if entry is not None and entry[0]() is fn and entry[1].unchanged():
+    if entry is not None and entry[0]() is fn and entry[1].unchanged(fn):
         return entry[1]
     walk = _Walk()
-    walk.visit(fn, 0)
-    walk.seen = set()  # the next call's leaves start afresh
+    if not _is_atom(fn):
+        walk.seen[id(fn)] = 0
+        walk.into(0, fn, 0)
+    walk.seen = {}  # ids are compared only while walking
     try:
         key = id(fn)
         ref = weakref.ref(fn, functools.partial(_forget, key))
@@ -217,21 +265,6 @@ def _walk_of(fn: Any) -> _Walk:
             _walks.pop(next(iter(_walks)))
         _walks[key] = (ref, walk)
     return walk
-
-
-def _item(seq: list[Any], index: int, default: Any) -> Any:
-    return seq[index]  # in range: the lengths are compared first
-
-
-def _own(cls: type, name: str, default: Any) -> Any:
-    return vars(cls).get(name, default)  # defined by the class itself, not inherited
-
-
-def _contents(cell: types.CellType) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return _MISSING
 
 
 def _forget(key: int, _: weakref.ref[Any]) -> None:
@@ -252,10 +285,10 @@ def generators_of(fn: Any, leaves: Iterable[Any] = ()) -> list[torch.Generator]:
     found = list(_walk_of(fn).found)
     known = {id(g) for g in found}
     for leaf in leaves:
-        if type(leaf) in _ATOMS:
+        if _is_atom(leaf):
             continue
         walk = _Walk()
-        walk.visit(leaf, 0)
+        walk.step(0, _ATTR, None, leaf, 0)
         found.extend(g for g in walk.found if id(g) not in known)
         known.update(id(g) for g in walk.found)
     return found

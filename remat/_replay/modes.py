@@ -187,6 +187,8 @@ def detached(t: torch.Tensor) -> torch.Tensor:
         >>> y.requires_grad, y._version == x._version
         (False, True)
     """
+    if not _compat.dispatch_mode_depth():  # no mode to step past, no tag to pass on
+        return t.detach()
     modes = _compat.modes_if_only(_OURS)
     if modes is not None and (alias := _compat.detach_past_modes(t)) is not None:
         if any(type(mode) is RecordMode for mode in modes):

@@ -8,6 +8,7 @@ forward's numbers; an unchanged function is not walked again.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -97,13 +98,13 @@ def test_an_unchanged_function_is_walked_once(monkeypatch: pytest.MonkeyPatch) -
     region = remat.remat(module, policy="nothing-saveable")
     _grad(region, _x())
     walks: list[object] = []
-    original = generators._Walk.visit
+    original = generators._Walk.into
 
-    def counted(self: generators._Walk, obj: Any, depth: int) -> None:
+    def counted(self: generators._Walk, at: int, obj: Any, depth: int) -> None:
         walks.append(obj)
-        original(self, obj, depth)
+        original(self, at, obj, depth)
 
-    monkeypatch.setattr(generators._Walk, "visit", counted)
+    monkeypatch.setattr(generators._Walk, "into", counted)
     _grad(region, _x())
     assert walks == []
     module.gen = torch.Generator()  # a new attribute: walked again
@@ -111,12 +112,23 @@ def test_an_unchanged_function_is_walked_once(monkeypatch: pytest.MonkeyPatch) -
     assert walks[0] is module
 
 
-def test_a_collected_function_leaves_the_table() -> None:
-    def fn(h: torch.Tensor) -> torch.Tensor:
-        return h.sin()
+def _reaching_itself() -> tuple[Callable[..., Any], torch.Generator]:
+    table: dict[str, Any] = {"gen": torch.Generator()}
 
-    generators.generators_of(fn)
+    def fn(h: torch.Tensor) -> torch.Tensor:
+        return table["self"] and h.sin()
+
+    table["self"] = fn
+    return fn, table["gen"]
+
+
+def test_a_collected_function_leaves_the_table() -> None:
+    # The function reaches itself through a dict in its closure: the kept walk
+    # holds no container, so the cycle is garbage as without remat.
+    fn, gen = _reaching_itself()
+    assert generators.generators_of(fn) == [gen]
     key = id(fn)
     assert key in generators._walks
     del fn
+    gc.collect()
     assert key not in generators._walks

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..._compat import current_autograd_node, no_dispatch_modes
-from ..._compile import uncompiled
+from ..._compile import runs_plainly, uncompiled
 from ..._errors import RematError
 from ..._policy.base import Decision
 from ..._replay.modes import RecordMode, detached
@@ -94,6 +94,8 @@ class Frame(OutsideTensors):
 
     def pack(self, t: torch.Tensor) -> Holder:
         # A compiled module run inside the region: Dynamo must not trace our hooks.
+        if runs_plainly():
+            return self._pack(t)
         return uncompiled(self._pack, t)
 
     def _pack(self, t: torch.Tensor) -> Holder:

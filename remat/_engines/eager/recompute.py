@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..._compat import no_dispatch_modes
-from ..._compile import uncompiled
+from ..._compile import runs_plainly, uncompiled
 from ..._errors import NondeterministicRecomputeError, RematError
 from ..._offload.store import Offloaded
 from ..._pytree import tensor_leaves
@@ -37,6 +37,8 @@ class RecomputingFrame(FinishingFrame):
     def unpack(self, holder: Holder) -> torch.Tensor:
         # A ``loss.backward()`` inside compiled code runs this hook where Dynamo
         # would compile the recompute (see ``_compile.py``).
+        if runs_plainly():
+            return self._unpack(holder)
         return uncompiled(self._unpack, holder)
 
     def _unpack(self, holder: Holder) -> torch.Tensor:
@@ -193,6 +195,8 @@ class RecomputingFrame(FinishingFrame):
     def collect(
         self, value: torch.Tensor | Holder, t: torch.Tensor | None = None
     ) -> torch.Tensor | None:
+        if runs_plainly():
+            return self._collect(value, t)
         return uncompiled(self._collect, value, t)
 
     def _collect(
