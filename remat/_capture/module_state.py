@@ -160,6 +160,13 @@ class StateGuard(RestoringGuard):
         #: (leaf, whether its ``.grad`` was None when the forward started).
         self.grads_written: list[tuple[torch.Tensor, bool]] = []
 
+    def guarded_ids(self) -> set[int]:
+        """Ids of the tensors in the slots this guard pins or watches: the recompute
+        gets what the forward read there (NOTE [ Bindings the recompute reads ])."""
+        ids = {id(pin.tensor) for pin in self.pins or ()}
+        ids.update(id(w.tensor) for w in (*self.watched, *self.written))
+        return ids
+
     def guarded(self) -> contextlib.AbstractContextManager[None]:
         """Snapshot (forward) or restore (recompute) the state around the block.
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["generators_of"]
+__all__ = ["MISSING", "Walk", "generators_of", "walk_of"]
 
 _MAX_DEPTH = 4
 #: Items looked at in one container (a closed-over dataset is no place for generators).
@@ -60,7 +60,7 @@ class _Missing:
     __slots__ = ()
 
 
-_MISSING = _Missing()
+MISSING = _Missing()
 
 # How a step reads its value from an earlier one (rule 1).
 _GET, _ITEM, _ATTR, _CELL, _LEN, _VARS, _OWN = range(7)
@@ -87,24 +87,24 @@ def _contents(cell: Any) -> Any:
     try:
         return cell.cell_contents
     except ValueError:  # an empty cell
-        return _MISSING
+        return MISSING
 
 
 def _read(obj: Any, op: int, key: Any) -> Any:
     if op == _GET:
-        return obj.get(key, _MISSING)
+        return obj.get(key, MISSING)
     if op == _ITEM:
-        return obj[key] if key < len(obj) else _MISSING
+        return obj[key] if key < len(obj) else MISSING
     if op == _ATTR:
-        return getattr(obj, key, _MISSING)
+        return getattr(obj, key, MISSING)
     if op == _CELL:
         return _contents(obj)
     if op == _VARS:
         return vars(obj)
-    return vars(obj).get(key, _MISSING)  # _OWN: defined by the class itself
+    return vars(obj).get(key, MISSING)  # _OWN: defined by the class itself
 
 
-class _Walk:
+class Walk:
     """One walk: the generators found and the steps that found them (rule 1)."""
 
     def __init__(self) -> None:
@@ -113,6 +113,10 @@ class _Walk:
         self.seen: dict[int, int] = {}
         #: (source value index, how read, key, what it must be, expected).
         self.steps: list[tuple[int, int, Any, int, Any]] = []
+        #: The value indexes of the steps that gave a tensor: bindings the eager
+        #: engine reads again for its recompute (NOTE [ Bindings the recompute
+        #: reads ] in ``_engines/eager/bindings.py``).
+        self.tensor_steps: list[int] = []
 
     def unchanged(self, root: Any) -> bool:
         """Whether replaying the steps from ``root`` gives what they gave (rule 2)."""
@@ -125,16 +129,16 @@ class _Walk:
                 values.append(None)
                 continue
             if op == _GET:  # inline, not `_read`: this loop is the cache's whole cost
-                now = obj.get(key, _MISSING)
+                now = obj.get(key, MISSING)
             elif op == _ATTR:
-                now = getattr(obj, key, _MISSING)
+                now = getattr(obj, key, MISSING)
             else:
                 now = _read(obj, op, key)
             if kind == _IS_ATOM:
                 if type(now) not in _ATOMS and not isinstance(now, torch.Tensor):
                     return False
             elif kind == _SAME_AS_MISSING:
-                if now is not _MISSING:
+                if now is not MISSING:
                     return False
             elif kind == _TYPE:
                 if type(now) is not expected:
@@ -146,6 +150,55 @@ class _Walk:
                 return False
             values.append(now)
         return True
+
+    def read_tensors(self, root: Any) -> list[Any]:
+        """What each of `tensor_steps` gives now, replaying only the steps on its path
+        (`MISSING` where a step on it gives nothing now)."""
+        values: dict[int, Any] = {0: root}
+        return [self._value(index, values) for index in self.tensor_steps]
+
+    def _value(self, index: int, values: dict[int, Any]) -> Any:
+        if index in values:
+            return values[index]
+        src, op, key, _, _ = self.steps[index - 1]
+        obj = self._value(src, values)
+        try:
+            now = MISSING if obj is MISSING else _read(obj, op, key)
+        except (TypeError, AttributeError, KeyError):  # not the container it was
+            now = MISSING
+        values[index] = now
+        return now
+
+    def describe(self, root: Any, index: int) -> str:
+        """Step ``index``'s binding in words: "global 'STATE' ['w']", "closure variable 'w'"."""
+        path: list[int] = []
+        while index:
+            path.append(index)
+            index = self.steps[index - 1][0]
+        values: dict[int, Any] = {0: root}
+        words: list[str] = []
+        last = -1
+        for at in reversed(path):
+            src, op, key, _, _ = self.steps[at - 1]
+            after_vars, last = last == _VARS, op
+            if op == _ATTR and key == "__globals__":
+                words.append("global")
+            elif op == _ATTR and key == "__closure__":
+                words.append("closure variable")
+            elif op == _ITEM and words[-1:] == ["closure variable"]:
+                # ``src`` is the closure tuple's step, read from the function's value.
+                code = getattr(self._value(self.steps[src - 1][0], values), "__code__", None)
+                names = code.co_freevars if code is not None else ()
+                words.append(repr(names[key]) if key < len(names) else f"#{key}")
+            elif op in (_GET, _ITEM):
+                if words[-1:] == ["global"]:
+                    words.append(repr(key))
+                else:  # an attribute, read from the object's ``__dict__``, or an item
+                    words.append(f".{key}" if after_vars else f"[{key!r}]")
+            elif op == _ATTR:
+                words.append(f".{key}")
+            # _CELL, _VARS, _LEN: no words of their own
+        return " ".join(words).replace(" [", "[").replace(" .", ".")
 
     def _record(self, src: int, op: int, key: Any, kind: int, expected: Any) -> int:
         self.steps.append((src, op, key, kind, expected))
@@ -161,8 +214,10 @@ class _Walk:
     def step(self, src: int, op: int, key: Any, value: Any, depth: int) -> None:
         """Read ``value`` from value ``src`` and walk it, as the walk of old visited it."""
         if _is_atom(value):
-            self._record(src, op, key, _IS_ATOM, None)
-        elif value is _MISSING:  # most names a function's code holds are no globals
+            index = self._record(src, op, key, _IS_ATOM, None)
+            if isinstance(value, torch.Tensor):
+                self.tensor_steps.append(index)
+        elif value is MISSING:  # most names a function's code holds are no globals
             self._record(src, op, key, _SAME_AS_MISSING, None)
         elif depth > _MAX_DEPTH:
             self._record(src, op, key, _ANY, None)
@@ -200,7 +255,7 @@ class _Walk:
         ):
             cls = self._record(at, _ATTR, "__class__", _IS, _getter(type(obj)))
             # A callable object's code: its class's own ``__call__``.
-            self.step(cls, _OWN, "__call__", vars(type(obj)).get("__call__", _MISSING), depth + 1)
+            self.step(cls, _OWN, "__call__", vars(type(obj)).get("__call__", MISSING), depth + 1)
             self.step(at, _VARS, None, vars(obj), depth + 1)
 
     def function(self, at: int, fn: types.FunctionType, depth: int) -> None:
@@ -216,7 +271,7 @@ class _Walk:
         self._record(at, _ATTR, "__code__", _IS, _getter(fn.__code__))
         scope = self.part(at, _ATTR, "__globals__", fn.__globals__)
         for name in _names(fn.__code__):
-            self.step(scope, _GET, name, fn.__globals__.get(name, _MISSING), depth + 1)
+            self.step(scope, _GET, name, fn.__globals__.get(name, MISSING), depth + 1)
 
     def module(self, at: int, module: torch.nn.Module, depth: int) -> None:
         # Its own public attributes and every submodule's, as ``modules()`` finds
@@ -242,15 +297,16 @@ class _Walk:
 
 
 #: id(function) -> (a weak reference to it, its walk) (rule 3).
-_walks: dict[int, tuple[weakref.ref[Any], _Walk]] = {}
+_walks: dict[int, tuple[weakref.ref[Any], Walk]] = {}
 _walks_lock = threading.Lock()
 
 
-def _walk_of(fn: Any) -> _Walk:
+def walk_of(fn: Any) -> Walk:
+    """The walk of what ``fn`` reaches: the kept one while replaying it gives what it gave."""
     entry = _walks.get(id(fn))
     if entry is not None and entry[0]() is fn and entry[1].unchanged(fn):
         return entry[1]
-    walk = _Walk()
+    walk = Walk()
     if not _is_atom(fn):
         walk.seen[id(fn)] = 0
         walk.into(0, fn, 0)
@@ -273,8 +329,12 @@ def _forget(key: int, _: weakref.ref[Any]) -> None:
         _walks.pop(key, None)
 
 
-def generators_of(fn: Any, leaves: Iterable[Any] = ()) -> list[torch.Generator]:
+def generators_of(
+    fn: Any, leaves: Iterable[Any] = (), walk: Walk | None = None
+) -> list[torch.Generator]:
     """The ``torch.Generator``s a region's call can reach (NOTE [ Explicit generators ]).
+
+    ``walk``: `walk_of(fn)`, where the caller has it already.
 
     Examples:
         >>> import torch
@@ -282,12 +342,12 @@ def generators_of(fn: Any, leaves: Iterable[Any] = ()) -> list[torch.Generator]:
         >>> generators_of(lambda x: torch.rand(2, generator=gen)) == [gen]
         True
     """
-    found = list(_walk_of(fn).found)
+    found = list((walk or walk_of(fn)).found)
     known = {id(g) for g in found}
     for leaf in leaves:
         if _is_atom(leaf):
             continue
-        walk = _Walk()
+        walk = Walk()
         walk.step(0, _ATTR, None, leaf, 0)
         found.extend(g for g in walk.found if id(g) not in known)
         known.update(id(g) for g in walk.found)

@@ -15,6 +15,7 @@ outside the region, and refuses.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -79,7 +80,13 @@ def test_rebound_state_gives_the_forwards_gradient_or_raises(
     except remat.RematError as e:
         assert engine.name == "eager", e  # the torch.func engine reads the forward's tensor
         message = str(e)
-        assert "was rebound after the forward pass of " + fn.__name__ in message
+        # At the recompute's start (NOTE [ Bindings the recompute reads ]), or, for a
+        # binding that walk does not reach, where the recompute meets the saved tensor.
+        assert re.search(
+            rf"the recompute of {fn.__name__} \(.*\) reads .*another tensor than the "
+            rf"forward read|was rebound after the forward pass of {fn.__name__}",
+            message,
+        ), message
         assert "policy='everything-saveable'" in message
         # The fixes it names work: everything-saveable, or rebinding after backward.
         _reset()

@@ -98,13 +98,13 @@ def test_an_unchanged_function_is_walked_once(monkeypatch: pytest.MonkeyPatch) -
     region = remat.remat(module, policy="nothing-saveable")
     _grad(region, _x())
     walks: list[object] = []
-    original = generators._Walk.into
+    original = generators.Walk.into
 
-    def counted(self: generators._Walk, at: int, obj: Any, depth: int) -> None:
+    def counted(self: generators.Walk, at: int, obj: Any, depth: int) -> None:
         walks.append(obj)
         original(self, at, obj, depth)
 
-    monkeypatch.setattr(generators._Walk, "into", counted)
+    monkeypatch.setattr(generators.Walk, "into", counted)
     _grad(region, _x())
     assert walks == []
     module.gen = torch.Generator()  # a new attribute: walked again

@@ -20,6 +20,7 @@ from ..._replay.rng import check_batched_recompute
 from ..._replay.stand_ins import raise_if_leaked
 from ..autograd_inside import GradWatch, OutsideGradError, feeds
 from ..recompute import recompute_context
+from .bindings import refusing_moved
 from .finish import FinishingFrame
 from .state import (
     Holder,
@@ -79,7 +80,8 @@ class RecomputingFrame(FinishingFrame):
         try:
             with no_dispatch_modes() if in_forward else contextlib.nullcontext():
                 try:
-                    with _grad_watch(self):
+                    refusing = refusing_moved(self.bound, self.region.label, self.state_guard)
+                    with _grad_watch(self), refusing:
                         self._recompute_or_retry(replay, live)
                 except RuntimeError:
                     _explain_outside_grad(self)

@@ -18,6 +18,7 @@ from ..._offload.selection import current_store
 from ..._offload.store import Offloaded, next_serial
 from ..._pytree import flatten, tree_map
 from ..._replay.autocast import AutocastState
+from ..._replay.generators import walk_of
 from ..._replay.records import OpLog, OpRecord
 from ..._replay.rng import RngState, generators_of
 from ..._replay.saved_signatures import SavedSignature, check_saved, saved_signature
@@ -25,6 +26,7 @@ from ..._state import local
 from ..budget_plans import log_policy
 from ..offloaded import OffloadedOutputs
 from ..region import Region
+from .bindings import BoundAtForward
 
 __all__ = ["FrameState", "Holder", "Phase", "TorchFuncInsideError"]
 
@@ -131,11 +133,15 @@ class FrameState:
         self.metas: list[SavedSignature] = []
         #: Ids of the recompute's (detached) inputs, to sign its saved tensors.
         self.recompute_input_ids: set[int] = set()
+        walk = walk_of(region.fn)
         self.rng = (
-            RngState.capture(self.inputs, generators_of(region.fn, leaves))
+            RngState.capture(self.inputs, generators_of(region.fn, leaves, walk))
             if region.preserve_rng_state
             else None
         )
+        #: The tensors ``fn`` reached through bindings, for the recompute (NOTE
+        #: [ Bindings the recompute reads ] in ``bindings.py``).
+        self.bound = BoundAtForward.capture(region.fn, walk)
         #: The generators' states when the forward ended: did it draw random numbers?
         self.rng_after: RngState | None = None
         self.autocast = AutocastState.capture()

@@ -1,0 +1,143 @@
+"""Tensors a region reads through a binding, and whether its recompute may read them again.
+
+NOTE [ Bindings the recompute reads ]
+1. The eager engine's recompute runs ``fn`` again, so it reads every closure
+   cell, global, dict or list entry and object attribute again. A tensor bound
+   there may have been rebound (a new tensor assigned) or written in place since
+   the forward read it. The recompute would then differentiate a forward that
+   never ran, and nothing it saves shows it when the tensor reaches the region's
+   values only through ops that save nothing of it (an added bias, a mask, a
+   running statistic). (The torch.func engine passes such tensors as inputs of
+   its Function: NOTE [ Closed-over tensors ].)
+2. So when a forward starts, the engine notes each tensor on the walk of what
+   ``fn`` reaches (the generator walk of ``_replay/generators.py``, kept per
+   function: `Walk.tensor_steps`) and its version. Module parameters
+   and buffers are not on that walk: the module state guard gives the recompute
+   what the forward read (NOTE [ State the forward changes ]), and a tensor a
+   slot of theirs held (``functional_call`` swapping one in) is left to it. A function that
+   reaches no tensor this way (a module reading only its own state) pays nothing.
+3. When the recompute starts, each binding is read again. One that gives the
+   same tensor at the same version is fine: the usual case, and then nothing
+   else runs. A tensor now bound that is another one, or the same one written
+   since, is *moved*.
+4. While a recompute with moved tensors runs, a `TorchFunctionMode` raises
+   `SavedInputMutatedError` at the first op that reads one, naming the binding,
+   the region and the fixes. A moved tensor the recompute does not read (an
+   attribute the region stores an output in, a hook's list) raises nothing. A
+   region that rebinds a tensor during its own forward and reads the new one
+   in its recompute raises too: the recompute cannot tell which one the
+   forward read where.
+5. Not checked here: what the walk does not reach (deeper than its depth, wider
+   than its width, a ``__slots__`` object, a tensor a call returns, the
+   attributes of an argument object). A saved one is still checked by
+   `FrameState.check_rebound` and `check_unbound`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..._capture.module_state import StateGuard
+from ..._errors import SavedInputMutatedError
+from ..._pytree import tensor_leaves
+from ..._replay.generators import Walk
+
+__all__ = ["BoundAtForward", "refusing_moved"]
+
+class BoundAtForward:
+    """The tensors a region's function reached through bindings when its forward began."""
+
+    __slots__ = ("fn", "tensors", "versions", "walk")
+
+    def __init__(self, fn: Any, walk: Walk) -> None:
+        self.fn = fn
+        self.walk = walk
+        # Held, not weakly referenced: a weak reference would stop the escape
+        # machinery's `swap_tensors`, and an id alone can be reused. What is still
+        # bound costs nothing; a tensor rebound since stays alive until the recompute.
+        self.tensors = walk.read_tensors(fn)
+        self.versions = [
+            t._version if isinstance(t, torch.Tensor) and not t.is_inference() else -1
+            for t in self.tensors
+        ]
+
+    @classmethod
+    def capture(cls, fn: Any, walk: Walk) -> BoundAtForward | None:
+        """Note what ``walk`` (`walk_of(fn)`) reaches now; None when no tensor (rule 2)."""
+        return cls(fn, walk) if walk.tensor_steps else None
+
+    def moved(self, guarded: set[int]) -> dict[int, tuple[torch.Tensor, int, str]]:
+        """Each tensor bound now that the forward did not read there, by id:
+        (it, its step in the walk, what happened). ``guarded``: ids of tensors the
+        module state guard gives the recompute as the forward read them."""
+        out: dict[int, tuple[torch.Tensor, int, str]] = {}
+        now_bound = self.walk.read_tensors(self.fn)
+        steps = self.walk.tensor_steps
+        for step, then, version, now in zip(
+            steps, self.tensors, self.versions, now_bound, strict=True
+        ):
+            if not isinstance(now, torch.Tensor):
+                continue  # unbound, or no tensor now: what reads it differs visibly
+            if id(now) in guarded or id(then) in guarded:
+                continue  # module state (a tensor functional_call swapped into a module)
+            if now.is_meta:
+                continue  # a dead op's stand-in, stored by another recompute: reading it
+                # raises, naming who stored it (NOTE [ Stand-ins in Python state ])
+            if then is not now:
+                out[id(now)] = (now, step, "is another tensor than the forward read there")
+            elif version != -1 and now._version != version:
+                out[id(now)] = (now, step, "was written in place since the forward read "
+                                           f"it (version {version}, now {now._version})")
+        return out
+
+
+class _RefuseMoved(TorchFunctionMode):
+    """Raise at the first op of the recompute that reads a moved tensor (rule 4)."""
+
+    def __init__(
+        self, bound: BoundAtForward, label: str, moved: dict[int, tuple[torch.Tensor, int, str]]
+    ) -> None:
+        super().__init__()
+        self.bound = bound
+        self.label = label
+        self.moved = moved
+
+    def __torch_function__(
+        self, func: Any, types_: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        for leaf in tensor_leaves((args, kwargs)):
+            if id(leaf) in self.moved:
+                raise self.error(self.moved[id(leaf)])
+        return func(*args, **kwargs)
+
+    def error(self, entry: tuple[torch.Tensor, int, str]) -> SavedInputMutatedError:
+        t, step, what = entry
+        where = self.bound.walk.describe(self.bound.fn, step)
+        return SavedInputMutatedError(
+            f"remat: the recompute of {self.label} reads {where} (a tensor of shape "
+            f"{tuple(t.shape)}), which {what}, so the gradient would be that of a "
+            "forward that did not run. Pass the tensor to the region as an argument, "
+            "keep it in a module buffer (the recompute then sees what the forward "
+            "read), rebind or modify it only after backward, or use "
+            "policy='everything-saveable' for this region."
+        )
+
+
+@contextmanager
+def refusing_moved(
+    bound: BoundAtForward | None, label: str, guard: StateGuard
+) -> Iterator[None]:
+    """Run a recompute that raises if it reads a moved tensor; costs nothing if none moved."""
+    moved = bound.moved(guard.guarded_ids()) if bound is not None else {}
+    if not moved:
+        yield
+        return
+    assert bound is not None
+    with _RefuseMoved(bound, label, moved):
+        yield
