@@ -145,3 +145,54 @@ def test_higher_order_keeps_what_it_differentiates(policy: str) -> None:
         lambda f: torch.func.jacrev(torch.func.jacrev(f)),
     ):
         torch.testing.assert_close(transform(wrapped)(x), transform(block)(x))
+
+
+def _sum_loss_peaks(stack: demo.Stack, x: torch.Tensor, policy: str) -> tuple[int, int]:
+    """Eager and torch.func peaks of ``stack(x).sum()``: a loss whose own backward
+    saves nothing, so torch.func.grad's ``create_graph`` holds nothing extra."""
+    for p in stack.parameters():
+        p.grad = None
+    eager, _ = _peak(lambda: stack(x, policy).sum().backward())
+    for p in stack.parameters():
+        p.grad = None
+    params = {k: v.detach() for k, v in stack.named_parameters()}
+    func, _ = _peak(lambda: grad(lambda q: functional_call(stack, q, (x, policy)).sum())(params))
+    return eager, func
+
+
+def test_the_latest_save_last_region_holds_what_autograd_saves() -> None:
+    """Under torch.func the latest ``save-last`` region holds its forward's graph
+    (``_engines/functional/held.py``), not every op's output: one block peaks where the
+    eager engine does. Before, it recorded every output: 149,640 B against 99,208."""
+    stack = demo.Stack(depth=1, width=WIDTH, heads=2)
+    x = demo.make_input(stack, batch=BATCH, seq=SEQ)
+    eager_peak, eager_grads = _eager(stack, x, "save-last")
+    with RecomputeCounter() as counter:
+        func_peak, func_grads = _under_grad(stack, x, "save-last")
+    _, expected = _under_grad(stack, x, demo.NO_REMAT)
+    for k, g in expected.items():
+        torch.testing.assert_close(func_grads[k], g)
+        torch.testing.assert_close(eager_grads[k], g)
+    assert counter.counts.get("gelu", 0) == 0  # the held graph, nothing recomputed
+    # ``pow(2).mean()``'s backward under torch.func.grad (create_graph=True) keeps the
+    # stack's output and the mean's cotangent: two activations of torch.func's own.
+    assert func_peak == eager_peak + 2 * ACTIVATION == 107_400
+    eager_sum, func_sum = _sum_loss_peaks(stack, x, "save-last")
+    assert func_sum == eager_sum
+
+
+def test_a_demoted_save_last_region_recomputes_from_its_inputs() -> None:
+    """Two blocks: the first is demoted by the second and recomputed; the second's
+    backward differentiates its held graph. Before: 157,832 B, now the eager engine's
+    peak plus one activation (the recomputed block's output, the root of its vjp)."""
+    stack = demo.Stack(depth=2, width=WIDTH, heads=2)
+    x = demo.make_input(stack, batch=BATCH, seq=SEQ)
+    eager_peak, _ = _eager(stack, x, "save-last")
+    with RecomputeCounter() as counter:
+        func_peak, func_grads = _under_grad(stack, x, "save-last")
+    _, expected = _under_grad(stack, x, demo.NO_REMAT)
+    for k, g in expected.items():
+        torch.testing.assert_close(func_grads[k], g)
+    assert counter.counts["gelu"] == 1
+    assert func_peak == eager_peak + ACTIVATION == 154_120
+    assert func_peak <= 1.05 * eager_peak

@@ -54,9 +54,15 @@ NOTE [ The functional engine ]
    in full. ``OFFLOAD`` decisions go to the host store where replay is used
    (rule 8), and stay on the device under a forward-mode level.
 6. ``save_last`` (NOTE [ The save-last chain ] in ``_engines/save_last.py``): the
-   most recent region records every output (`_SaveAllWhileLatest`); when the next
-   ``save_last`` region of either engine starts its forward, this one releases
-   what its base policy would not have kept.
+   most recent region holds its forward's graph (`HeldGraph`, ``held.py``): its
+   forward runs ``fn`` under ``torch.func.vjp`` anyway (rule 7), that graph holds
+   what autograd saves and no more, and its backward differentiates it from its
+   roots without running ``fn`` again. Only under one reverse level and nothing
+   else, for ``save-last`` itself (`may_hold`); elsewhere (``save-last+P``, vmap,
+   forward mode, higher order) it records every output (`_SaveAllWhileLatest`).
+   When the next ``save_last`` region of either engine starts its forward, this
+   one releases what its base policy would not have kept (the held graph: all
+   of it; its backward then recomputes).
 7. Same ops in forward and recompute. Composite ops decompose by whether their
    inputs require grad (``linear``/``matmul`` on 3-D inputs fold to ``mm`` in
    one case and not in the other), and the forward runs with its inputs
@@ -181,6 +187,8 @@ def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
     # (`adopt` must hold the only references to them: it lets each go after its swap.)
     count = len(flat_out) - len(call.escapes.found)
     flat_out, escaped = flat_out[:count], list(flat_out[count:])
+    if call.held is not None:
+        call.held.before_swaps(call.escapes.found)
     call.escapes.adopt(escaped)
     call.let_go_of_arguments()
     return call.unflatten_output(flat_out)

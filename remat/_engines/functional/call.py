@@ -30,9 +30,11 @@ from ..escapes import EscapeWatch
 from ..offloaded import OffloadedOutputs
 from ..recompute import recompute_context
 from ..region import Region
+from ..save_last import become_latest
 from .arguments import Arguments, _argument_objects, _outer_views
 from .differentiated import run_as_differentiated
 from .guard import _Births, _HiddenInputGuard, unsubstituted_error
+from .held import HeldGraph, may_hold
 from .levels import _below_all_levels, _escape_seeds, _inference_mode_errors, _tracked
 from .lifetime import Backwards
 from .recording import _new_log, offload_at_forward_end
@@ -93,6 +95,11 @@ class _Call:
         self.out_leaves: list[Any] = []
         self.out_positions: list[int] = []
         self.log: OpLog | None = None
+        #: The latest ``save-last`` region's forward graph, held instead of a log
+        #: (NOTE [ The functional engine ] rule 6, ``held.py``).
+        self.held: HeldGraph | None = None
+        #: Whether this is a vmap rule's twin (NOTE [ The functional engine ] rule 10).
+        self.batched = False
         #: The transforms live at the call, (kind, level), for the vmap rule
         #: (NOTE [ The functional engine ] rule 10).
         self.transforms = [(i.key(), i.level()) for i in interpreters()]
@@ -188,7 +195,11 @@ class _Call:
         try:
             policy = self.region.policy
             with _Births(self.guard), self.watch(tensors):
-                if not policy.needs_op_trace and not policy.saves_latest_region:
+                if may_hold(policy, self):
+                    self.held = HeldGraph()
+                    become_latest(self.held)
+                    out = run_as_differentiated(self, tensors, self.held)
+                elif not policy.needs_op_trace and not policy.saves_latest_region:
                     out = self.run(tensors)
                 else:
                     self.log = _new_log(self.region, tensors)
@@ -201,6 +212,8 @@ class _Call:
             self.guard = None
         self.rng_after = self.rng.now() if self.rng is not None else None
         out, escaped = self.escapes.collect(out) if self.escape_seeds else (out, ())
+        if self.held is not None:  # their roots, while they are the forward's own tensors
+            self.held.let_out(escape.target for escape in self.escapes.found)
         if self.log is not None and self.differentiable:
             # Region inputs, parameters (inputs here) and outputs are alive anyway.
             alive = (*tensors, *out, *escaped)
@@ -230,7 +243,7 @@ class _Call:
     def backward_ran(self, inputs: Sequence[torch.Tensor]) -> None:
         """After a backward: let the forward's records go once no backward can come again."""
         if self.backwards.ran(inputs):
-            self.log = None
+            self.log = self.held = None
 
     def recompute(self, replay: bool) -> contextlib.AbstractContextManager[None]:
         """What the forward saw (NOTE [ The recompute context ]); replaying if ``replay``."""

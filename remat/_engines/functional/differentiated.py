@@ -12,6 +12,7 @@ import torch
 
 from ..escapes import EscapeWatch
 from .guard import _HiddenInputGuard
+from .held import HeldGraph
 from .levels import _differentiable
 
 
@@ -26,13 +27,14 @@ class DifferentiatedCall(Protocol):
 
 
 def run_as_differentiated(
-    call: DifferentiatedCall, tensors: Sequence[torch.Tensor]
+    call: DifferentiatedCall, tensors: Sequence[torch.Tensor], held: HeldGraph | None = None
 ) -> tuple[torch.Tensor, ...]:
     """Run ``fn`` under ``torch.func.vjp`` with respect to the inputs some level differentiates.
 
     Composite ops decompose by whether their inputs require grad, so the
     forward and the backward's ``vjp`` see the same aten ops only when both
-    differentiate the same inputs (rule 7).
+    differentiate the same inputs (rule 7). ``held`` keeps the graphs roots
+    (the latest ``save-last`` region's graph, ``held.py``).
     """
     if not call.differentiated:
         return call.run(tensors)
@@ -50,15 +52,17 @@ def run_as_differentiated(
         out = call.run(full)
         kinds[:] = [_differentiable(t) for t in out]
         # vjp takes floating outputs only; integer ones travel as aux.
-        return (
-            tuple(t for t in out if _differentiable(t)),
-            tuple(t for t in out if not _differentiable(t)),
-        )
+        floats = tuple(t for t in out if _differentiable(t))
+        if held is not None:
+            held.hold(moved, floats)
+        return floats, tuple(t for t in out if not _differentiable(t))
 
     with torch.enable_grad():
         result: Any = torch.func.vjp(
             primal, *(tensors[i] for i in call.differentiated), has_aux=True
         )
     floats, others = result[0], result[2]
+    if held is not None:
+        held.kinds = list(kinds)
     it_f, it_o = iter(floats), iter(others)
     return tuple(next(it_f) if k else next(it_o) for k in kinds)

@@ -72,18 +72,40 @@ def _backward(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.T
     # wrappers; unwrap them as functorch does for saved values of aten ops.
     inputs = tuple(unwrap_if_dead(t) for t in inputs)
     replay = not _forward_ad_active()
-    restored = call.offloaded.restore() if replay else []
-    try:
-        with contextlib.nullcontext() if keep_graph else torch.no_grad():
-            found = _recompute_vjp(call, inputs, wanted, grads, replay, keep_graph)
-    finally:
-        if replay:
-            call.offloaded.drop(restored)
+    found: Sequence[torch.Tensor | None] | None = None
+    if replay and not keep_graph:
+        found = _from_held_graph(call, inputs, wanted, grads)
+    if found is None:
+        restored = call.offloaded.restore() if replay else []
+        try:
+            with contextlib.nullcontext() if keep_graph else torch.no_grad():
+                found = _recompute_vjp(call, inputs, wanted, grads, replay, keep_graph)
+        finally:
+            if replay:
+                call.offloaded.drop(restored)
     call.backward_ran(inputs)  # NOTE [ The functional engine ] rule 13
     result: list[torch.Tensor | None] = [None] * len(inputs)
     for i, g in zip(wanted, found, strict=True):
         result[i] = g
     return (None, *result)
+
+def _from_held_graph(
+    call: _Call,
+    inputs: tuple[torch.Tensor, ...],
+    wanted: list[int],
+    grads: tuple[torch.Tensor | None, ...],
+) -> tuple[torch.Tensor | None, ...] | None:
+    """The latest ``save-last`` region's gradients from its held forward graph (``held.py``),
+    or None: recompute."""
+    held = call.held
+    if held is None or not held.held:
+        return None
+    # What the recompute would check first: a closed-over tensor changed in place.
+    call.bindings.check_versions(call.region.label)
+    retain = not call.backwards.last(inputs)
+    with torch.no_grad():
+        return held.backward(grads, call.differentiated, wanted, retain)
+
 
 def _vmap_rule(
     info: Any, dims: tuple[int | None, ...], call: _Call, tensors: tuple[torch.Tensor, ...]

@@ -13,12 +13,12 @@ import torch
 
 from ..._capture.closure import Bindings
 from ..._compat import (
-    TorchDispatchMode,
     functorch_level,
     interpreters,
     is_functorch_wrapped,
     unwrap_once,
 )
+from ..._compile import UncompiledMode
 from ..._errors import RematError
 from ..._replay.checks import OpTrace
 from ..autograd_inside import differentiated_by, feeds, outside_grad_error
@@ -227,7 +227,7 @@ class _HiddenInputGuard:
         return False
 
 
-class _Births(TorchDispatchMode):
+class _Births(UncompiledMode):
     """Note every tensor an aten op makes inside the forward (in the guard's ``born``).
 
     Transforms that ``fn`` runs itself (or the engine's ``vjp``) return tensors
@@ -237,13 +237,12 @@ class _Births(TorchDispatchMode):
     """
 
     def __init__(self, guard: _HiddenInputGuard) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.born = guard.born
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One op (outside torch.compile, not through ``torch.compiler.disable``)."""
+        out = func(*args, **kwargs)
         leaves: list[Any] = optree.tree_leaves(out, none_is_leaf=False)
         self.born.update(id(t) for t in leaves if isinstance(t, torch.Tensor))
         return out

@@ -27,12 +27,20 @@ class Backwards:
         self.reverse_levels = sum(kind == GRAD for kind, _ in transforms)
         self.left: int | None = None
 
-    def ran(self, inputs: Sequence[torch.Tensor]) -> bool:
-        """After one backward with ``inputs`` (as saved): whether none can come again."""
+    def last(self, inputs: Sequence[torch.Tensor]) -> bool:
+        """Before a backward with ``inputs`` (as saved): whether it is the last that can come."""
         if backward_keeps_graph():
             return False
         if self.left is None:
             eager = any(physical(t).requires_grad for t in inputs)
             self.left = self.reverse_levels + eager
-        self.left -= 1
-        return self.left <= 0
+        return self.left <= 1
+
+    def ran(self, inputs: Sequence[torch.Tensor]) -> bool:
+        """After one backward with ``inputs`` (as saved): whether none can come again."""
+        if not self.last(inputs):
+            if self.left is not None and not backward_keeps_graph():
+                self.left -= 1
+            return False
+        self.left = 0
+        return True

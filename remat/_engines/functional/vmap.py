@@ -20,6 +20,7 @@ from .levels import _batched_at
 def batched_twin(call: _Call, tensors: Sequence[torch.Tensor], runner: _VmapRunner) -> _Call:
     """This call over a vmap batch: ``runner`` (``vmap(fn)``) of the physical inputs."""
     twin = _Call(call.region, runner, tuple(tensors), {}, bindings=Bindings())
+    twin.batched = True
     twin.differentiable = twin.differentiable or call.differentiable
     # The original call's trace, inside ``runner``, checks every recompute.
     twin.trace = OpTrace(call.region.label, enabled=False)
