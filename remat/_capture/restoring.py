@@ -150,6 +150,10 @@ class RestoringGuard:
             for table, name, buffer in reversed(originals):
                 table[name] = buffer
 
+    def gives(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a copy this guard put in a slot for the running recompute."""
+        return any(copy is t for copy in self._installed.values())
+
     def _install(self, table: dict[str, Any], name: str) -> torch.Tensor:
         """Put a fresh copy of the slot's start value in it, for the recompute to write to."""
         assert self._swaps is not None, "this is a bug in remat, please report it"

@@ -251,8 +251,8 @@ class FrameState:
         if holder is None or not isinstance(holder.tensor, torch.Tensor):
             return
         before, now = storage_address(holder.tensor), storage_address(recomputed)
-        if before == now or 0 in (before, now):
-            return
+        if before == now or 0 in (before, now) or self.state_guard.gives(recomputed):
+            return  # (the guard's copy of a slot the forward wrote: what it read there)
         where = self.outside_names[index]
         raise SavedInputMutatedError(
             f"remat: {where} was rebound after the forward pass of {self.region.label} "
