@@ -195,7 +195,9 @@ class _Call:
         try:
             policy = self.region.policy
             with _Births(self.guard), self.watch(tensors):
-                if may_hold(policy, self):
+                # Without the determinism check a demoted held region's recompute
+                # would run unchecked: record, so that the replay checks its shapes.
+                if self.region.determinism_check and may_hold(policy, self):
                     self.held = HeldGraph()
                     become_latest(self.held)
                     out = run_as_differentiated(self, tensors, self.held)
