@@ -117,6 +117,8 @@ class Walk:
         #: engine reads again for its recompute (NOTE [ Bindings the recompute
         #: reads ] in ``_engines/eager/bindings.py``).
         self.tensor_steps: list[int] = []
+        #: The value indexes of the steps that gave a submodule (the same NOTE, rule 6).
+        self.module_steps: list[int] = []
 
     def unchanged(self, root: Any) -> bool:
         """Whether replaying the steps from ``root`` gives what they gave (rule 2)."""
@@ -154,8 +156,12 @@ class Walk:
     def read_tensors(self, root: Any) -> list[Any]:
         """What each of `tensor_steps` gives now, replaying only the steps on its path
         (`MISSING` where a step on it gives nothing now)."""
+        return self.read_steps(root, self.tensor_steps)
+
+    def read_steps(self, root: Any, steps: list[int]) -> list[Any]:
+        """What each of ``steps`` gives now (`read_tensors`)."""
         values: dict[int, Any] = {0: root}
-        return [self._value(index, values) for index in self.tensor_steps]
+        return [self._value(index, values) for index in steps]
 
     def _value(self, index: int, values: dict[int, Any]) -> Any:
         if index in values:
@@ -181,7 +187,9 @@ class Walk:
         for at in reversed(path):
             src, op, key, _, _ = self.steps[at - 1]
             after_vars, last = last == _VARS, op
-            if op == _ATTR and key == "__globals__":
+            if op == _ATTR and key == "_modules":
+                last = _VARS  # a submodule reads as an attribute: ``.lin``
+            elif op == _ATTR and key == "__globals__":
                 words.append("global")
             elif op == _ATTR and key == "__closure__":
                 words.append("closure variable")
@@ -286,6 +294,7 @@ class Walk:
                     self.step(children, _GET, name, child, depth)  # an atom, or seen
                     continue
                 self.seen[id(child)] = index = self.part(children, _GET, name, child)
+                self.module_steps.append(index)
                 pending.append((index, child))
             table = self.part(where, _VARS, None, vars(sub))
             self.length(table, vars(sub))

@@ -235,7 +235,45 @@ def test_a_running_statistic_in_a_dict_raises_and_a_buffer_is_the_fix() -> None:
     _assert_recomputed_tanh(counter, "nothing-saveable", 2)
 
 
-def test_a_module_reading_only_its_own_state_notes_nothing() -> None:
-    """NOTE rule 2: no tensor binding on the walk, so the forward pays nothing."""
-    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    assert BoundAtForward.capture(block, walk_of(block)) is None
+def test_a_function_reaching_no_tensor_and_no_module_notes_nothing() -> None:
+    """NOTE rule 2: nothing on the walk to read again, so the forward pays nothing."""
+    assert BoundAtForward.capture(torch.sin, walk_of(torch.sin)) is None
+    bound = BoundAtForward.capture(_Box, walk_of(_Box))
+    assert bound is None or (bound.tensors == [] and bound.modules == [])
+
+
+class _Replaceable(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 4, dtype=D)
+        self.scale = torch.nn.Parameter(torch.ones(4, dtype=D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+@pytest.mark.parametrize("policy", ["nothing-saveable", "budget:0.3"])
+def test_a_submodule_replaced_before_backward_raises(policy: str) -> None:
+    """NOTE rule 5. Before, ``nothing-saveable`` ran the new ``Linear`` in the
+    recompute: ``scale``'s gradient came out -2.04 where 2.58 is right."""
+    torch.manual_seed(0)
+    model = _Replaceable()
+    x = torch.randn(5, 3, dtype=D)
+    out = remat.wrap(model, policy=policy, engine="eager")(x)
+    old = model.lin
+    model.lin = torch.nn.Linear(3, 4, dtype=D)  # model surgery before backward
+    replaced = (r"submodule (module\.)?lin of _Replaceable\.forward \(.*\) was replaced "
+                r"after its forward pass ran the Linear there")
+    with pytest.raises(SavedInputMutatedError, match=replaced):
+        out.pow(2).sum().backward()
+
+    # The fix: replace it after backward.
+    model.lin = old
+    model.zero_grad()
+    out = model(x)
+    want = torch.autograd.grad(out.pow(2).sum(), [model.scale, old.weight])
+    out = remat.wrap(model, policy=policy, engine="eager")(x)
+    got = torch.autograd.grad(out.pow(2).sum(), [model.scale, old.weight])
+    model.lin = torch.nn.Linear(3, 4, dtype=D)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)

@@ -14,8 +14,9 @@ NOTE [ Bindings the recompute reads ]
    function: `Walk.tensor_steps`) and its version. Module parameters
    and buffers are not on that walk: the module state guard gives the recompute
    what the forward read (NOTE [ State the forward changes ]), and a tensor a
-   slot of theirs held (``functional_call`` swapping one in) is left to it. A function that
-   reaches no tensor this way (a module reading only its own state) pays nothing.
+   slot of theirs held (``functional_call`` swapping one in) is left to it. A
+   function that reaches no tensor and no submodule this way pays nothing; a
+   module pays one replayed read per submodule and per call (rule 5).
 3. When the recompute starts, each binding is read again. One that gives the
    same tensor at the same version is fine: the usual case, and then nothing
    else runs. A tensor now bound that is another one, or the same one written
@@ -27,7 +28,13 @@ NOTE [ Bindings the recompute reads ]
    region that rebinds a tensor during its own forward and reads the new one
    in its recompute raises too: the recompute cannot tell which one the
    forward read where.
-5. Not checked here: what the walk does not reach (deeper than its depth, wider
+5. Submodules likewise: a module on the walk (a wrapped module's submodules, a
+   bound method's module's) that is another object when the recompute starts
+   (model surgery, a swapped head or adapter) would run in the recompute in place
+   of the one the forward ran, so the recompute raises before it starts (also
+   where the policy kept all that module made, which a replay would not rerun:
+   the cheap check cannot tell).
+6. Not checked here: what the walk does not reach (deeper than its depth, wider
    than its width, a ``__slots__`` object, a tensor a call returns, the
    attributes of an argument object). A saved one is still checked by
    `FrameState.check_rebound` and `check_unbound`.
@@ -52,7 +59,7 @@ __all__ = ["BoundAtForward", "refusing_moved"]
 class BoundAtForward:
     """The tensors a region's function reached through bindings when its forward began."""
 
-    __slots__ = ("fn", "tensors", "versions", "walk")
+    __slots__ = ("fn", "modules", "tensors", "versions", "walk")
 
     def __init__(self, fn: Any, walk: Walk) -> None:
         self.fn = fn
@@ -65,11 +72,27 @@ class BoundAtForward:
             t._version if isinstance(t, torch.Tensor) and not t.is_inference() else -1
             for t in self.tensors
         ]
+        self.modules = walk.read_steps(fn, walk.module_steps)  # alive anyway (rule 5)
 
     @classmethod
     def capture(cls, fn: Any, walk: Walk) -> BoundAtForward | None:
         """Note what ``walk`` (`walk_of(fn)`) reaches now; None when no tensor (rule 2)."""
-        return cls(fn, walk) if walk.tensor_steps else None
+        return cls(fn, walk) if walk.tensor_steps or walk.module_steps else None
+
+    def check_modules(self, label: str) -> None:
+        """Raise if a submodule the forward reached was replaced since (rule 5)."""
+        now = self.walk.read_steps(self.fn, self.walk.module_steps)
+        for step, then, module in zip(self.walk.module_steps, self.modules, now, strict=True):
+            if module is not then:
+                where = self.walk.describe(self.fn, step)
+                raise SavedInputMutatedError(
+                    f"remat: submodule {where.lstrip('.')} of {label} was replaced after its "
+                    f"forward pass ran the {type(then).__name__} there (it holds a "
+                    f"{type(module).__name__} now), so the recompute would run another "
+                    "module and the gradient would be that of a forward that did not run. "
+                    "Replace it after backward, or use policy='everything-saveable' for "
+                    "this region."
+                )
 
     def moved(self, guarded: set[int]) -> dict[int, tuple[torch.Tensor, int, str]]:
         """Each tensor bound now that the forward did not read there, by id:
@@ -134,7 +157,9 @@ def refusing_moved(
     bound: BoundAtForward | None, label: str, guard: StateGuard
 ) -> Iterator[None]:
     """Run a recompute that raises if it reads a moved tensor; costs nothing if none moved."""
-    moved = bound.moved(guard.guarded_ids()) if bound is not None else {}
+    if bound is not None and bound.modules:
+        bound.check_modules(label)
+    moved = bound.moved(guard.guarded_ids()) if bound is not None and bound.tensors else {}
     if not moved:
         yield
         return
