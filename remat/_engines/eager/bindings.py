@@ -27,7 +27,9 @@ NOTE [ Bindings the recompute reads ]
    attribute the region stores an output in, a hook's list) raises nothing. A
    region that rebinds a tensor during its own forward and reads the new one
    in its recompute raises too: the recompute cannot tell which one the
-   forward read where.
+   forward read where. So does one read by an op whose output the policy kept
+   (``dots-saveable`` keeping the matmul that reads it), which a replay would
+   not rerun: the check sees torch calls, not what the replay does with them.
 5. Submodules likewise: a module on the walk (a wrapped module's submodules, a
    bound method's module's) that is another object when the recompute starts
    (model surgery, a swapped head or adapter) would run in the recompute in place
@@ -55,6 +57,7 @@ from ..._pytree import tensor_leaves
 from ..._replay.generators import Walk
 
 __all__ = ["BoundAtForward", "refusing_moved"]
+
 
 class BoundAtForward:
     """The tensors a region's function reached through bindings when its forward began."""
