@@ -40,25 +40,6 @@ class _Outer(nn.Module):
         return (h * swapped).tanh()
 
 
-@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable"])
-def test_a_buffer_swapped_in_by_functional_call_is_written_once(
-    engine: Engine, policy: str
-) -> None:
-    if engine.name == "functional":
-        pytest.skip("the torch.func engine maps the slots itself (no pins, no pre-hook)")
-    x = torch.randn(4, 3, dtype=torch.double, generator=torch.Generator().manual_seed(0))
-    plain, model = _Outer(), _Outer()
-    model.load_state_dict(plain.state_dict())
-    expected = torch.autograd.grad(plain(x.requires_grad_()).sum(), x)[0]
-    region = engine.remat(model, policy=policy)
-    with RecomputeCounter() as counter:
-        actual = torch.autograd.grad(region(x).sum(), x)[0]
-    assert counter.counts["sin"] == 1  # the counter ran again
-    torch.testing.assert_close(actual, expected)
-    assert float(model.external) == float(plain.external) == 1.0  # not 2
-    assert float(model.counter.calls) == float(plain.counter.calls) == 0.0
-
-
 class _SavingCounter(_Counter):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.add_(1)
@@ -72,20 +53,21 @@ class _SavingOuter(_Outer):
 
 
 @pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable"])
-def test_a_swapped_in_buffer_the_forward_writes_and_saves_is_no_rebinding(
-    engine: Engine, policy: str
+@pytest.mark.parametrize("outer", [_Outer, _SavingOuter], ids=["added", "saved"])
+def test_a_buffer_swapped_in_by_functional_call_is_written_once(
+    engine: Engine, policy: str, outer: type[_Outer]
 ) -> None:
-    """The recompute saves the guard's copy of the buffer where the forward saved the
-    attribute's tensor: that is the module state guard at work, not a rebinding."""
-    if engine.name == "functional":
-        pytest.skip("the torch.func engine maps the slots itself (no pins, no pre-hook)")
+    """``saved``: the forward writes the buffer and autograd saves it, so the recompute
+    saves the guard's copy where the forward saved the attribute's tensor: the module
+    state guard at work, not a rebinding (it raised "rebound" in the eager engine)."""
     x = torch.randn(4, 3, dtype=torch.double, generator=torch.Generator().manual_seed(0))
-    plain, model = _SavingOuter(), _SavingOuter()
+    plain, model = outer(), outer()
     model.load_state_dict(plain.state_dict())
     expected = torch.autograd.grad(plain(x.requires_grad_()).sum(), x)[0]
     region = engine.remat(model, policy=policy)
     with RecomputeCounter() as counter:
         actual = torch.autograd.grad(region(x).sum(), x)[0]
-    assert counter.counts["sin"] == 1  # the counter ran again, on the guard's copy
+    assert counter.counts["sin"] == 1  # the counter ran again
     torch.testing.assert_close(actual, expected)
-    assert float(model.external) == float(plain.external) == 1.0  # written once
+    assert float(model.external) == float(plain.external) == 1.0  # not 2
+    assert float(model.counter.calls) == float(plain.counter.calls) == 0.0
