@@ -84,18 +84,20 @@ def _grads(out: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return torch.autograd.grad(out.sum(), WEIGHTS)
 
 
+def _rebound_after_forward(kind: str, wrap: Callable[[Any], Any], x: torch.Tensor) -> torch.Tensor:
+    """The output of ``wrap(region)`` on ``x``, with the bias rebound after the forward."""
+    fn, rebind = _program(kind)
+    out: torch.Tensor = wrap(fn)(x)
+    rebind()
+    return out
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("kind", ["global", "dict", "list", "attribute", "closure"])
 def test_rebound_after_the_forward_raises_in_the_eager_engine(kind: str, policy: str) -> None:
     x = torch.randn(5, 3, dtype=D)
-    fn, rebind = _program(kind)
-    out = fn(x)
-    rebind()
-    want = _grads(out)
-
-    fn, rebind = _program(kind)
-    out = remat.remat(fn, policy=policy, engine="eager")(x)
-    rebind()
+    want = _grads(_rebound_after_forward(kind, lambda f: f, x))
+    out = _rebound_after_forward(kind, lambda f: remat.remat(f, policy=policy, engine="eager"), x)
     with pytest.raises(SavedInputMutatedError) as caught:
         _grads(out)
     message = str(caught.value)
@@ -107,7 +109,7 @@ def test_rebound_after_the_forward_raises_in_the_eager_engine(kind: str, policy:
     w1, w2 = WEIGHTS
     fixed = remat.remat(lambda x, b: torch.tanh(x @ w1 + b) @ w2, policy=policy,
                         engine="eager")
-    fn, rebind = _program(kind)
+    _, rebind = _program(kind)
     with RecomputeCounter() as counter:
         out = fixed(x, torch.zeros(4, dtype=D))
         rebind()
@@ -117,16 +119,14 @@ def test_rebound_after_the_forward_raises_in_the_eager_engine(kind: str, policy:
     _assert_recomputed_tanh(counter, policy, 1)
 
 
-@pytest.mark.parametrize("kind", ["global", "dict", "closure"])
-def test_the_torch_func_engine_reads_what_the_forward_read(kind: str) -> None:
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("kind", ["global", "dict", "list", "attribute", "closure"])
+def test_the_torch_func_engine_reads_what_the_forward_read(kind: str, policy: str) -> None:
     x = torch.randn(5, 3, dtype=D)
-    fn, rebind = _program(kind)
-    out = fn(x)
-    rebind()
-    want = _grads(out)
-    fn, rebind = _program(kind)
-    out = remat.remat(fn, engine="functional")(x)
-    rebind()
+    want = _grads(_rebound_after_forward(kind, lambda f: f, x))
+    out = _rebound_after_forward(
+        kind, lambda f: remat.remat(f, policy=policy, engine="functional"), x
+    )
     for g, w in zip(_grads(out), want, strict=True):
         torch.testing.assert_close(g, w)
 
@@ -277,3 +277,27 @@ def test_a_submodule_replaced_before_backward_raises(policy: str) -> None:
     model.lin = torch.nn.Linear(3, 4, dtype=D)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+def test_a_tiny_gpt2_block_replaced_before_backward_raises_and_trains_otherwise() -> None:
+    """On a real model: no false positive in a training step, and the surgery raises."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32,
+                                     n_positions=16, attn_pdrop=0.0, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, use_cache=False)
+    torch.manual_seed(0)
+    plain = transformers.GPT2LMHeadModel(config)
+    model = transformers.GPT2LMHeadModel(config)
+    model.load_state_dict(plain.state_dict())
+    remat.apply(model, policy="nothing-saveable", engine="eager",
+                where=lambda name, module: isinstance(module, type(model.transformer.h[0])))
+    ids = torch.randint(0, 32, (2, 8))
+    plain(ids, labels=ids).loss.backward()
+    model(ids, labels=ids).loss.backward()
+    for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+    loss = model(ids, labels=ids).loss
+    model.transformer.h[1].mlp = transformers.models.gpt2.modeling_gpt2.GPT2MLP(64, config)
+    with pytest.raises(SavedInputMutatedError, match=r"submodule .*mlp.* was replaced"):
+        loss.backward()
