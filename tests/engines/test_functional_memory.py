@@ -160,11 +160,12 @@ def _sum_loss_peaks(stack: demo.Stack, x: torch.Tensor, policy: str) -> tuple[in
     return eager, func
 
 
-def test_the_latest_save_last_region_holds_what_autograd_saves() -> None:
-    """Under torch.func the latest ``save-last`` region holds its forward's graph
-    (``_engines/functional/held.py``), not every op's output: one block peaks where the
-    eager engine does. Before, it recorded every output: 149,640 B against 99,208."""
-    stack = demo.Stack(depth=1, width=WIDTH, heads=2)
+def _save_last_both_engines(
+    depth: int,
+) -> tuple[demo.Stack, torch.Tensor, int, int, RecomputeCounter]:
+    """``save-last`` on a stack of ``depth`` blocks in both engines, gradients checked
+    against no remat: the stack, its input, both peaks, what torch.func recomputed."""
+    stack = demo.Stack(depth=depth, width=WIDTH, heads=2)
     x = demo.make_input(stack, batch=BATCH, seq=SEQ)
     eager_peak, eager_grads = _eager(stack, x, "save-last")
     with RecomputeCounter() as counter:
@@ -173,6 +174,14 @@ def test_the_latest_save_last_region_holds_what_autograd_saves() -> None:
     for k, g in expected.items():
         torch.testing.assert_close(func_grads[k], g)
         torch.testing.assert_close(eager_grads[k], g)
+    return stack, x, eager_peak, func_peak, counter
+
+
+def test_the_latest_save_last_region_holds_what_autograd_saves() -> None:
+    """Under torch.func the latest ``save-last`` region holds its forward's graph
+    (``_engines/functional/held.py``), not every op's output: one block peaks where the
+    eager engine does. Before, it recorded every output: 149,640 B against 99,208."""
+    stack, x, eager_peak, func_peak, counter = _save_last_both_engines(depth=1)
     assert counter.counts.get("gelu", 0) == 0  # the held graph, nothing recomputed
     # ``pow(2).mean()``'s backward under torch.func.grad (create_graph=True) keeps the
     # stack's output and the mean's cotangent: two activations of torch.func's own.
@@ -185,14 +194,7 @@ def test_a_demoted_save_last_region_recomputes_from_its_inputs() -> None:
     """Two blocks: the first is demoted by the second and recomputed; the second's
     backward differentiates its held graph. Before: 157,832 B, now the eager engine's
     peak plus one activation (the recomputed block's output, the root of its vjp)."""
-    stack = demo.Stack(depth=2, width=WIDTH, heads=2)
-    x = demo.make_input(stack, batch=BATCH, seq=SEQ)
-    eager_peak, _ = _eager(stack, x, "save-last")
-    with RecomputeCounter() as counter:
-        func_peak, func_grads = _under_grad(stack, x, "save-last")
-    _, expected = _under_grad(stack, x, demo.NO_REMAT)
-    for k, g in expected.items():
-        torch.testing.assert_close(func_grads[k], g)
+    _, _, eager_peak, func_peak, counter = _save_last_both_engines(depth=2)
     assert counter.counts["gelu"] == 1
     assert func_peak == eager_peak + ACTIVATION == 154_120
     assert func_peak <= 1.05 * eager_peak
