@@ -21,10 +21,16 @@ NOTE [ Closed-over tensors ]
    parameter, buffer and plain tensor attribute of every submodule, and the code
    of ``forward``), other callable objects (their attributes and ``__call__``),
    and, up to a depth, plain objects and containers held in any of those (an
-   attribute of an attribute, an object in a list). Anything else (a tensor in a
-   ``__slots__`` object, a tensor reached through a function call's return value)
-   is not found; the engine's guard then raises `RematError` instead of returning
-   a wrong gradient.
+   attribute of an attribute, an object in a list). A module's private
+   attributes count too (``self._mask``, ``self._cos_cached``: tensors and
+   containers only, not the callables libraries keep there, such as Hugging
+   Face's ``_gradient_checkpointing_func``; a module's own tables
+   `MODULE_OWN` are walked as parameters and buffers), and so do the tensors its
+   class holds (``class Block: mask = torch.ones(4)``), and a tensor attribute of
+   an imported module the code names (``tables.MASK``). Anything else (a tensor
+   in a ``__slots__`` object, a tensor reached through a function call's return
+   value, an attribute two modules deep) is not found; the engine's guard then
+   raises `RematError` for a tracked one instead of returning a wrong gradient.
 4. Snapshot. Each slot remembers its value at the call (the leaves and structure
    of a container, untracked leaves included); while ``fn`` is recomputed its
    ops see that snapshot with the Function's inputs substituted, so a list
@@ -55,6 +61,7 @@ from typing import Any
 import optree
 import torch
 
+from .._replay.generators import MODULE_OWN, module_tensors
 from .bindings import Bindings, Slot, is_tracked
 from .stateful import is_stateful
 
@@ -166,14 +173,20 @@ class _Walker:
                 depth,
             )
         scope = fn.__globals__
-        for name in sorted(_global_names(code)):
-            if name in scope:
-                self.slot(
-                    scope[name],
-                    *_item_access(scope, name),
-                    f"global '{name}' of {where}",
-                    depth,
-                )
+        names = _global_names(code)
+        for name in sorted(names):
+            if name not in scope:
+                continue
+            value = scope[name]
+            if isinstance(value, types.ModuleType):  # ``tables.MASK``: rule 3
+                for attr, tensor in module_tensors(value, names):
+                    self.bind(
+                        tensor,
+                        *_item_access(vars(value), attr),
+                        f"attribute '{attr}' of module '{name}' in {where}",
+                    )
+                continue
+            self.slot(value, *_item_access(scope, name), f"global '{name}' of {where}", depth)
 
     def module(self, module: torch.nn.Module, where: str, depth: int) -> None:
         for prefix, sub in module.named_modules(remove_duplicate=False):
@@ -188,13 +201,22 @@ class _Walker:
                         access = _item_access(table, key)
                         self.bind(value, *access, f"{path}.{key}", checked, module_state=True)
             self.attributes(sub, path, depth, modules_done=True)
+            cls = type(sub)
+            for key, value in vars(cls).items() if self.first_visit(cls) else ():
+                if isinstance(value, torch.Tensor):  # a tensor the class holds: rule 3
+                    where_ = f"class attribute '{key}' of {cls.__qualname__}"
+                    self.bind(value, *_class_access(cls, key), where_)
 
     def attributes(self, obj: Any, where: str, depth: int, modules_done: bool = False) -> None:
         for key, value in list(vars(obj).items()):
-            # A module's own tables (``_parameters``, ``_modules``) are walked by `module`.
-            if key.startswith("__") or (modules_done and key.startswith("_")):
+            if key.startswith("__"):
                 continue
-            if modules_done and isinstance(value, torch.nn.Module):
+            if modules_done and (
+                key in MODULE_OWN  # its tables (``_parameters``): walked by `module`
+                or isinstance(value, torch.nn.Module)
+                # A library's private callable (``_gradient_checkpointing_func``).
+                or (key.startswith("_") and not isinstance(value, (torch.Tensor, *_PYTREE_TYPES)))
+            ):
                 continue
             self.slot(
                 value,
@@ -284,6 +306,13 @@ def _item_access(table: dict[str, Any], key: str) -> _Access:
         table[key] = value
 
     return (lambda: table[key]), set_
+
+
+def _class_access(cls: type, key: str) -> _Access:
+    def set_(value: Any) -> None:
+        setattr(cls, key, value)
+
+    return (lambda: vars(cls)[key]), set_
 
 
 def _attr_access(obj: Any, key: str) -> _Access:

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MISSING", "Walk", "generators_of", "walk_of"]
+__all__ = ["MISSING", "MODULE_OWN", "Walk", "generators_of", "module_tensors", "walk_of"]
 
 _MAX_DEPTH = 4
 #: Items looked at in one container (a closed-over dataset is no place for generators).
@@ -52,6 +52,21 @@ _MAX_ITEMS = 64
 _ATOMS = frozenset({int, float, bool, str, bytes, type(None), torch.Tensor, torch.nn.Parameter})
 #: Functions whose walks are kept (rule 3).
 _MAX_ENTRIES = 512
+#: A module's own bookkeeping (``_parameters``, ``_modules``, its hooks, ``training``):
+#: read through the module's tables, never as attributes. Any other attribute may
+#: hold what a region reads, a private one (``self._mask``) included.
+MODULE_OWN = frozenset(vars(torch.nn.Module()))
+#: What a module's private attribute holds that a walk goes into: tensors, generators
+#: and plain containers, not the callables libraries keep there (Hugging Face's
+#: ``_gradient_checkpointing_func``, which reaches a checkpoint function's globals).
+_PRIVATE_WALKED = (torch.Tensor, torch.Generator, list, tuple, dict)
+
+
+def module_tensors(module: types.ModuleType, names: Iterable[str]) -> list[tuple[str, Any]]:
+    """The tensors among ``module``'s attributes that code naming ``names`` can read
+    (``tables.MASK``: both names are in the code's names)."""
+    table = vars(module)
+    return [(name, table[name]) for name in names if isinstance(table.get(name), torch.Tensor)]
 
 
 class _Missing:
@@ -203,7 +218,7 @@ class Walk:
                     words.append(repr(key))
                 else:  # an attribute, read from the object's ``__dict__``, or an item
                     words.append(f".{key}" if after_vars else f"[{key!r}]")
-            elif op == _ATTR:
+            elif op in (_ATTR, _OWN):  # _OWN: a class attribute, from the class's table
                 words.append(f".{key}")
             # _CELL, _VARS, _LEN: no words of their own
         return " ".join(words).replace(" [", "[").replace(" .", ".")
@@ -278,8 +293,22 @@ class Walk:
         self.step(at, _ATTR, "__kwdefaults__", fn.__kwdefaults__, depth + 1)
         self._record(at, _ATTR, "__code__", _IS, _getter(fn.__code__))
         scope = self.part(at, _ATTR, "__globals__", fn.__globals__)
-        for name in _names(fn.__code__):
-            self.step(scope, _GET, name, fn.__globals__.get(name, MISSING), depth + 1)
+        names = _names(fn.__code__)
+        for name in names:
+            value = fn.__globals__.get(name, MISSING)
+            self.step(scope, _GET, name, value, depth + 1)
+            if isinstance(value, types.ModuleType) and id(value) in self.seen:
+                self.module_attributes(self.seen[id(value)], value, names, depth + 1)
+
+    def module_attributes(
+        self, at: int, module: types.ModuleType, names: Iterable[str], depth: int
+    ) -> None:
+        """The tensor attributes of an imported module that the code names (``tables.MASK``)."""
+        found = module_tensors(module, names)
+        if found:
+            table = self.part(at, _VARS, None, vars(module))
+            for name, tensor in found:
+                self.step(table, _GET, name, tensor, depth + 1)
 
     def module(self, at: int, module: torch.nn.Module, depth: int) -> None:
         # Its own public attributes and every submodule's, as ``modules()`` finds
@@ -299,10 +328,18 @@ class Walk:
             table = self.part(where, _VARS, None, vars(sub))
             self.length(table, vars(sub))
             for key, value in itertools.islice(vars(sub).items(), _MAX_ITEMS):
-                if not (isinstance(key, str) and key.startswith("_")):
-                    self.step(table, _GET, key, value, depth + 1)
+                if key in MODULE_OWN or (
+                    isinstance(key, str)
+                    and key.startswith("_")
+                    and not isinstance(value, _PRIVATE_WALKED)
+                ):
+                    continue
+                self.step(table, _GET, key, value, depth + 1)
             cls = self._record(where, _ATTR, "__class__", _IS, _getter(type(sub)))
             self.step(cls, _ATTR, "forward", type(sub).forward, depth + 1)
+            for key, value in vars(type(sub)).items():  # ``class Block: mask = ...``
+                if isinstance(value, torch.Tensor):
+                    self.step(cls, _OWN, key, value, depth + 1)
 
 
 #: id(function) -> (a weak reference to it, its walk) (rule 3).
