@@ -55,6 +55,8 @@ class Bindings:
     _where: list[str] = dataclasses.field(default_factory=list)
     _slots: list[tuple[Slot, list[int]]] = dataclasses.field(default_factory=list)
     _index: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: Ids of the found tensors the forward's ops read (`note_versions`); None before.
+    _read: frozenset[int] | None = None
 
     @property
     def names(self) -> list[str]:
@@ -73,7 +75,9 @@ class Bindings:
             indices.append(self._index[id(tensor)])
         self._slots.append((slot, indices))
 
-    def remap(self, replacements: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+    def remap(
+        self, replacements: Sequence[torch.Tensor], label: str = "the region"
+    ) -> dict[int, torch.Tensor]:
         """What a recompute substitutes for slots rebound since the call (rule 4).
 
         For each slot whose value now differs from its snapshot but keeps its
@@ -81,8 +85,16 @@ class Bindings:
         own tensors back), the tensor now in the slot maps to what the forward
         saw there: the Function's input (``replacements[i]`` for ``tensors[i]``)
         or the snapshot tensor itself. Nothing is written to the slot.
+
+        Ops are substituted by the identity of the tensor they read, so two slots
+        that now hold one tensor but held two different ones in the forward (tied
+        weights ``functional_call(..., tie_weights=False)`` gave two values, and
+        has put the one tied tensor back) cannot both be given theirs: that
+        raises, where a guess would be a wrong gradient. A slot the forward did
+        not read gives way to one it read (a dict entry rebound with the others).
         """
         table: dict[int, torch.Tensor] = {}
+        found_in: dict[int, tuple[str, bool]] = {}  # the slot a mapping came from, read
         with torch_function_disabled():  # our reads are not the function's
             for slot, indices in self._slots:
                 try:
@@ -98,7 +110,16 @@ class Bindings:
                 for position, (now, then) in enumerate(zip(leaves, slot.leaves, strict=True)):
                     if isinstance(now, torch.Tensor) and now is not then:
                         index = given.get(position)
-                        table[id(now)] = then if index is None else replacements[index]
+                        wanted = then if index is None else replacements[index]
+                        read = self._read is None or id(then) in self._read
+                        if id(now) in table and table[id(now)] is not wanted:
+                            first, first_read = found_in[id(now)]
+                            if first_read and read:
+                                raise _tied_since(label, first, slot.where)
+                            if first_read:
+                                continue
+                        table[id(now)] = wanted
+                        found_in[id(now)] = (slot.where, read)
         return table
 
     def reached(self) -> dict[int, str]:
@@ -128,6 +149,7 @@ class Bindings:
         ``used``: ids of the tensors the forward's ops got. One that none read
         (another entry of a closed-over dict) may change freely, as in autograd.
         """
+        self._read = frozenset(used)
         with torch_function_disabled():  # our reads are not the function's
             for slot, _ in self._slots:
                 if slot.checked:
@@ -153,6 +175,18 @@ class Bindings:
                     "it, so the recompute would use the new values (plain autograd raises "
                     "here too). Modify it after the backward, or modify a clone of it."
                 )
+
+
+def _tied_since(label: str, first: str, second: str) -> SavedInputMutatedError:
+    return SavedInputMutatedError(
+        f"remat: the recompute of {label} under the torch.func engine finds {first} and "
+        f"{second} holding one tensor, where its forward read two different ones (tied "
+        "weights given two values by torch.func.functional_call(..., tie_weights=False), "
+        "then tied again). It substitutes tensors by identity, so it cannot give each op "
+        "what it read, and a guess would be a wrong gradient. Fixes: use "
+        "engine='eager' for this region, give both names the same tensor "
+        "(tie_weights=True, the default), or untie the module's weights."
+    )
 
 
 def _describe(t: torch.Tensor) -> str:

@@ -131,7 +131,7 @@ class _Call:
         first = self.reads is None
         if not first:  # a recompute: what the forward saw, though slots were rebound since
             self.bindings.check_versions(self.region.label)
-            table.update(self.bindings.remap(tensors[self.tensor_count :]))
+            table.update(self.bindings.remap(tensors[self.tensor_count :], self.region.label))
         substitution = _Substitution(self, table, tensors)
         try:
             # The substitution outermost: the state guard's own copies (a recompute's
