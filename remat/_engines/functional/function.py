@@ -3,11 +3,22 @@
 ``forward`` (rule 1), ``backward`` (reverse levels and eager autograd, rules
 3-5), ``jvp`` (forward levels, rule 3), ``vmap`` (rule 10) of NOTE [ The functional engine ] in
 ``__init__.py``.
+
+NOTE [ What the backward gives back ]
+1. An input no gradient reaches gets None, as in autograd without remat: a
+   parameter of a skipped branch, of an expert no token was routed to, or one
+   only an output the loss does not read depends on. ``torch.func.vjp`` fills
+   zeros there, which AdamW's weight decay and moments would act on. So the
+   backward's ``vjp`` notes, by a hook on each differentiated input, which ones
+   a gradient reached, and gives None for the rest; and the Function does not
+   materialize a missing output gradient as zeros. Under a torch.func
+   transform torch.func itself turns None into zeros, with remat as without.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +52,9 @@ class _RematFunction(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         call = inputs[0]
         ctx.call = call
+        # An output the loss does not use gets None, not zeros: a parameter only it
+        # reaches then gets no gradient, as without remat (`_recompute_vjp`).
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(*inputs[1:])
         ctx.save_for_forward(*inputs[1:])
         frozen = [t for t in output if not _differentiable(t)]
@@ -176,20 +190,42 @@ def _recompute_vjp(
     grads: tuple[torch.Tensor | None, ...],
     replay: bool,
     keep_graph: bool,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor | None, ...]:
     outputs = [i for i, g in enumerate(grads) if g is not None and _is_float(call, i)]
+    if not outputs:
+        return (None,) * len(wanted)
     # Differentiate what the forward differentiated (NOTE [ The functional engine ] rule 7),
     # return what is wanted.
     moving = sorted(set(wanted) | set(call.differentiated))
 
+    reached: set[int] = set()
     with call.recompute(replay):
-        primal = _partial(call, inputs, moving, outputs)
+        primal = _noting_reached(_partial(call, inputs, moving, outputs), moving, reached)
         vjp_fn = torch.func.vjp(primal, *(inputs[i] for i in moving))[1]
     # Called once: the recompute's graph goes as its backward consumes it, unless
     # something differentiates this backward (rule 13).
     cotangents = tuple(grads[i] for i in outputs)
     found: tuple[torch.Tensor, ...] = vjp_fn(cotangents, retain_graph=keep_graph)
-    return tuple(found[moving.index(i)] for i in wanted)
+    # ``vjp`` gives zeros for an input no gradient reached; autograd gives None
+    # (NOTE [ What the backward gives back ] rule 1).
+    return tuple(found[moving.index(i)] if i in reached else None for i in wanted)
+
+
+def _noting_reached(
+    primal: Callable[..., tuple[torch.Tensor, ...]], moving: Sequence[int], reached: set[int]
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """``primal``, noting in ``reached`` each input at ``moving`` a gradient reaches."""
+
+    def noted(*moved: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        for i, t in zip(moving, moved, strict=True):
+            t.register_hook(functools.partial(_reach, reached, i))
+        return primal(*moved)
+
+    return noted
+
+
+def _reach(reached: set[int], index: int, grad: torch.Tensor) -> None:
+    reached.add(index)
 
 
 def _partial(
