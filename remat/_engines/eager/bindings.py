@@ -56,7 +56,7 @@ from ..._errors import SavedInputMutatedError
 from ..._pytree import tensor_leaves
 from ..._replay.generators import Walk
 
-__all__ = ["BoundAtForward", "refusing_moved"]
+__all__ = ["BoundAtForward", "refusing_moved", "replaced_submodule_error"]
 
 
 class BoundAtForward:
@@ -88,14 +88,7 @@ class BoundAtForward:
         for step, then, module in zip(self.walk.module_steps, self.modules, now, strict=True):
             if module is not then:
                 where = self.walk.describe(self.fn, step)
-                raise SavedInputMutatedError(
-                    f"remat: submodule {where.lstrip('.')} of {label} was replaced after its "
-                    f"forward pass ran the {type(then).__name__} there (it holds a "
-                    f"{type(module).__name__} now), so the recompute would run another "
-                    "module and the gradient would be that of a forward that did not run. "
-                    "Replace it after backward, or use policy='everything-saveable' for "
-                    "this region."
-                )
+                raise replaced_submodule_error(where, label, then, module)
 
     def moved(self, guarded: set[int]) -> dict[int, tuple[torch.Tensor, int, str]]:
         """Each tensor bound now that the forward did not read there, by id:
@@ -120,6 +113,21 @@ class BoundAtForward:
                 out[id(now)] = (now, step, "was written in place since the forward read "
                                            f"it (version {version}, now {now._version})")
         return out
+
+
+def replaced_submodule_error(
+    where: str, label: str, then: Any, now: Any
+) -> SavedInputMutatedError:
+    """A submodule at ``where`` on the walk was ``then`` in the forward, ``now`` is another
+    (rule 5; the torch.func engine's recompute says the same, ``functional/submodules.py``)."""
+    return SavedInputMutatedError(
+        f"remat: submodule {where.lstrip('.')} of {label} was replaced after its "
+        f"forward pass ran the {type(then).__name__} there (it holds a "
+        f"{type(now).__name__} now), so the recompute would run another "
+        "module and the gradient would be that of a forward that did not run. "
+        "Replace it after backward, or use policy='everything-saveable' for "
+        "this region."
+    )
 
 
 class _RefuseMoved(TorchFunctionMode):

@@ -22,6 +22,7 @@ from ..._policy.name_check import check_names
 from ..._pytree import check_outputs_visible, flatten_region_io
 from ..._replay.autocast import AutocastState
 from ..._replay.checks import OpTrace, differs
+from ..._replay.generators import Walk, walk_of
 from ..._replay.modes import RecordMode, ReplayMode
 from ..._replay.records import OpLog
 from ..._replay.rng import RngState, generators_of, vmap_levels
@@ -38,6 +39,7 @@ from .held import HeldGraph, may_hold
 from .levels import _below_all_levels, _escape_seeds, _inference_mode_errors, _tracked
 from .lifetime import Backwards
 from .recording import _new_log, offload_at_forward_end
+from .submodules import SubmodulesAtForward
 from .substitution import _Substitution
 
 
@@ -65,8 +67,14 @@ class _Call:
         leaves: list[Any] = flatten_region_io(tree)[0]
         self.leaves = leaves
         self.tensor_count = sum(isinstance(x, torch.Tensor) for x in leaves)
+        #: The submodules ``fn`` reached, checked before each recompute (``submodules.py``);
+        #: a vmap twin (given its bindings) runs the original call, which checks.
+        self.submodules: SubmodulesAtForward | None = None
+        self.walk: Walk | None = None
         if bindings is None:
             bindings = find_closed_over(fn, _argument_objects(leaves, region.label))
+            self.walk = walk_of(fn)
+            self.submodules = SubmodulesAtForward.capture(fn, self.walk)
         self.bindings: Bindings = bindings
         #: Module buffers, closure cells and ``.grad`` the forward changes, changed
         #: once (NOTE [ State the forward changes ] in ``_capture/module_state.py``).
@@ -130,6 +138,8 @@ class _Call:
         }
         first = self.reads is None
         if not first:  # a recompute: what the forward saw, though slots were rebound since
+            if self.submodules is not None:
+                self.submodules.check(self.region.label)
             self.bindings.check_versions(self.region.label)
             table.update(self.bindings.remap(tensors[self.tensor_count :], self.region.label))
         substitution = _Substitution(self, table, tensors)
@@ -189,7 +199,8 @@ class _Call:
     def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The region's forward: record what the policy keeps, guard against hidden inputs."""
         if self.region.preserve_rng_state:
-            self.rng = RngState.capture(tensors, generators_of(self.user_fn, self.leaves))
+            found = generators_of(self.user_fn, self.leaves, self.walk)
+            self.rng = RngState.capture(tensors, found)
         # The guard checks each op as `_Substitution` hands it over (one mode, not two).
         self.guard = _HiddenInputGuard(self, tensors)
         try:

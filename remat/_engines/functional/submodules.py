@@ -1,0 +1,47 @@
+"""Submodules the forward ran, checked again before each recompute of the torch.func engine.
+
+The Function's inputs are the tensors the forward reached (NOTE [ The functional
+engine ] rule 2); a submodule replaced between the forward and the backward
+(model surgery, a swapped head or adapter) would run in the recompute with
+weights that are no input: the old weights would get a silent zero gradient and
+the rest the gradient of a forward that never ran. So, as in the eager engine
+(NOTE [ Bindings the recompute reads ] rule 5 in ``_engines/eager/bindings.py``),
+the submodules on the generator walk (``_replay/generators.py``) are noted at the
+forward and read again when a recompute starts; another object there raises
+`SavedInputMutatedError` with the eager engine's words and fixes. A backward
+that does not run ``fn`` again (a held ``save-last`` graph) is not checked: it
+differentiates the forward that ran.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..._replay.generators import Walk
+from ..eager.bindings import replaced_submodule_error
+
+__all__ = ["SubmodulesAtForward"]
+
+
+class SubmodulesAtForward:
+    """The submodules a region's function reached when its forward began."""
+
+    __slots__ = ("fn", "modules", "walk")
+
+    def __init__(self, fn: Any, walk: Walk) -> None:
+        self.fn = fn
+        self.walk = walk
+        self.modules = walk.read_steps(fn, walk.module_steps)  # alive anyway
+
+    @classmethod
+    def capture(cls, fn: Any, walk: Walk) -> SubmodulesAtForward | None:
+        """Note the submodules ``walk`` (`walk_of(fn)`) reaches now; None when none."""
+        return cls(fn, walk) if walk.module_steps else None
+
+    def check(self, label: str) -> None:
+        """Raise if a submodule the forward ran was replaced since."""
+        now = self.walk.read_steps(self.fn, self.walk.module_steps)
+        for step, then, module in zip(self.walk.module_steps, self.modules, now, strict=True):
+            if module is not then:
+                where = self.walk.describe(self.fn, step)
+                raise replaced_submodule_error(where, label, then, module)
