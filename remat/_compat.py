@@ -49,6 +49,7 @@ __all__ = [
     "functorch_disabled",
     "functorch_level",
     "global_forward_pre_hooks",
+    "gradient_observed",
     "interpreters",
     "is_batched",
     "is_functorch_wrapped",
@@ -268,6 +269,14 @@ def detach_past_modes(t: torch.Tensor) -> torch.Tensor | None:
 def current_autograd_node() -> Any:
     """The autograd node whose backward runs on this thread, or None (private, 2.13)."""
     return torch._C._current_autograd_node()
+
+
+def gradient_observed(t: torch.Tensor) -> bool:
+    """Whether a hook or ``retain_grad()`` on ``t`` reads the gradient reaching it.
+
+    A tensor's hooks are a private table (2.13); ``retain_grad`` is public.
+    """
+    return t.retains_grad or bool(t._backward_hooks)
 
 
 def backward_keeps_graph() -> bool:

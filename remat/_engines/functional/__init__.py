@@ -189,6 +189,8 @@ def run_functional(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]
     flat_out, escaped = flat_out[:count], list(flat_out[count:])
     if call.held is not None:
         call.held.before_swaps(call.escapes.found)
+    targets = [escape.target for escape in call.escapes.found]
     call.escapes.adopt(escaped)
+    call.note_outputs([*flat_out, *targets])  # the user's tensors now (``observed.py``)
     call.let_go_of_arguments()
     return call.unflatten_output(flat_out)

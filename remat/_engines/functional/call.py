@@ -8,6 +8,7 @@ state, its offloaded outputs (NOTE [ The functional engine ] in ``__init__.py``)
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from .guard import _Births, _HiddenInputGuard, unsubstituted_error
 from .held import HeldGraph, may_hold
 from .levels import _below_all_levels, _escape_seeds, _inference_mode_errors, _tracked
 from .lifetime import Backwards
+from .observed import note_outputs
 from .recording import _new_log, offload_at_forward_end
 from .submodules import SubmodulesAtForward
 from .substitution import _Substitution
@@ -117,6 +119,8 @@ class _Call:
         #: The backwards that may still read the forward's records (rule 13).
         self.backwards = Backwards(self.transforms)
         self.guard: _HiddenInputGuard | None = None
+        #: The outputs the user has, weakly (`note_outputs`).
+        self.output_refs: list[weakref.ref[torch.Tensor]] = []
         self.rng: RngState | None = None
         #: The generators' states when the forward ended, and its vmap levels.
         self.rng_after: RngState | None = None
@@ -247,6 +251,11 @@ class _Call:
         self.offloaded.adopt(twin.offloaded)
 
     # -- lifetimes (NOTE [ The functional engine ] rule 13) -------------------------------
+
+    def note_outputs(self, outputs: Sequence[Any]) -> None:
+        """After ``apply``: the outputs as the user has them, weakly, for the backward's
+        check of hooks on them (NOTE [ What the backward gives back ] rule 2)."""
+        self.output_refs = note_outputs(outputs)
 
     def let_go_of_arguments(self) -> None:
         """After ``apply``: hold the handed-over argument tensors no more (autograd saves them)."""

@@ -34,6 +34,7 @@ from .levels import (
     _differentiable,
     _forward_ad_active,
 )
+from .observed import Observed, observed_outputs
 from .vmap import _VmapRunner, batched_twin
 
 
@@ -91,9 +92,12 @@ def _backward(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.T
         found = _from_held_graph(call, inputs, wanted, grads)
     if found is None:
         restored = call.offloaded.restore() if replay else []
+        observed = _observed(ctx, call, grads)
         try:
             with contextlib.nullcontext() if keep_graph else torch.no_grad():
-                found = _recompute_vjp(call, inputs, wanted, grads, replay, keep_graph)
+                found = _recompute_vjp(
+                    call, inputs, wanted, grads, replay, keep_graph, observed
+                )
         finally:
             if replay:
                 call.offloaded.drop(restored)
@@ -102,6 +106,15 @@ def _backward(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.T
     for i, g in zip(wanted, found, strict=True):
         result[i] = g
     return (None, *result)
+
+def _observed(ctx: Any, call: _Call, grads: tuple[torch.Tensor | None, ...]) -> Observed | None:
+    """The check of outputs whose gradients a hook reads (rule 2), if any is."""
+    seen = observed_outputs(call.output_refs, grads)
+    if not seen:
+        return None
+    graded = [i for i, g in enumerate(grads) if g is not None]
+    return Observed(call.region.label, seen, graded, len(call.out_positions))
+
 
 def _from_held_graph(
     call: _Call,
@@ -190,6 +203,7 @@ def _recompute_vjp(
     grads: tuple[torch.Tensor | None, ...],
     replay: bool,
     keep_graph: bool,
+    observed: Observed | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     outputs = [i for i, g in enumerate(grads) if g is not None and _is_float(call, i)]
     if not outputs:
@@ -200,7 +214,8 @@ def _recompute_vjp(
 
     reached: set[int] = set()
     with call.recompute(replay):
-        primal = _noting_reached(_partial(call, inputs, moving, outputs), moving, reached)
+        partial = _partial(call, inputs, moving, outputs, observed)
+        primal = _noting_reached(partial, moving, reached)
         vjp_fn = torch.func.vjp(primal, *(inputs[i] for i in moving))[1]
     # Called once: the recompute's graph goes as its backward consumes it, unless
     # something differentiates this backward (rule 13).
@@ -229,15 +244,22 @@ def _reach(reached: set[int], index: int, grad: torch.Tensor) -> None:
 
 
 def _partial(
-    call: _Call, inputs: Sequence[torch.Tensor], moving: Sequence[int], outputs: Sequence[int]
+    call: _Call,
+    inputs: Sequence[torch.Tensor],
+    moving: Sequence[int],
+    outputs: Sequence[int],
+    observed: Observed | None = None,
 ) -> Callable[..., tuple[torch.Tensor, ...]]:
-    """``fn`` as a function of the inputs at ``moving``, giving the outputs at ``outputs``."""
+    """``fn`` as a function of the inputs at ``moving``, giving the outputs at ``outputs``;
+    ``observed`` checks all its outputs (rule 2)."""
 
     def primal(*moved: torch.Tensor) -> tuple[torch.Tensor, ...]:
         full = list(inputs)
         for i, t in zip(moving, moved, strict=True):
             full[i] = t
         out = call.escapes.run(lambda: call.run(full))
+        if observed is not None:
+            observed.check(out)
         return tuple(out[i] for i in outputs)
 
     return primal
