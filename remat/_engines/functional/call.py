@@ -34,6 +34,7 @@ from ..recompute import recompute_context
 from ..region import Region
 from ..save_last import become_latest
 from .arguments import Arguments, _argument_objects, _outer_views
+from .constants import constant_outputs
 from .differentiated import run_as_differentiated
 from .guard import _Births, _HiddenInputGuard, unsubstituted_error
 from .held import HeldGraph, may_hold
@@ -119,6 +120,9 @@ class _Call:
         #: The backwards that may still read the forward's records (rule 13).
         self.backwards = Backwards(self.transforms)
         self.guard: _HiddenInputGuard | None = None
+        #: Positions of the floating outputs no input's gradient flows to (``h.detach()``):
+        #: non-differentiable, as without remat (``constants.py``).
+        self.constant_outputs: set[int] = set()
         #: The outputs the user has, weakly (`note_outputs`).
         self.output_refs: list[weakref.ref[torch.Tensor]] = []
         self.rng: RngState | None = None
@@ -164,7 +168,12 @@ class _Call:
         out_leaves, out_treedef = flatten_region_io(out)
         # Who made each output, in the forward and in each recompute (NOTE [ Recompute
         # signatures ] rule 3).
-        self.trace.outputs([x for x in out_leaves if isinstance(x, torch.Tensor)])
+        made = [x for x in out_leaves if isinstance(x, torch.Tensor)]
+        self.trace.outputs(made)
+        if first and not self.transforms and not self.batched:  # ``constants.py``
+            self.constant_outputs = constant_outputs(
+                made, self.trace, tensors, self.differentiated
+            )
         # ``fn`` may return a tensor it reached (``return self.w``): the Function's view.
         out_leaves = [
             table.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in out_leaves

@@ -13,6 +13,17 @@ NOTE [ What the backward gives back ]
    a gradient reached, and gives None for the rest; and the Function does not
    materialize a missing output gradient as zeros. Under a torch.func
    transform torch.func itself turns None into zeros, with remat as without.
+2. The outputs are siblings: outputs of one node. A hook or ``retain_grad()``
+   on an output another output is computed from (``return h @ W, h``) would
+   see only the gradient reaching it directly. The inputs' gradients are
+   right, so nothing is looked at unless such a hook is there; then the
+   backward raises (``observed.py``). Not seen, and still wrong:
+   ``torch.autograd.grad(o, h)``, which never calls this backward (torch
+   says ``h`` was not used, or gives None with ``allow_unused=True``).
+3. An output no input's gradient flows to (``return y, h.detach()``) is marked
+   non-differentiable, so it comes back with ``requires_grad=False`` as without
+   remat (``constants.py``: told by the forward's ``vjp`` graph where it has one,
+   by the output's maker, ``detach``, where it does not).
 """
 
 from __future__ import annotations
@@ -58,7 +69,10 @@ class _RematFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*inputs[1:])
         ctx.save_for_forward(*inputs[1:])
-        frozen = [t for t in output if not _differentiable(t)]
+        frozen = [
+            t for i, t in enumerate(output)
+            if not _differentiable(t) or i in call.constant_outputs
+        ]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
 
@@ -166,7 +180,8 @@ def _jvp(ctx: Any, tangents: tuple[torch.Tensor | None, ...]) -> tuple[torch.Ten
         if d is not None and _differentiable(t)
     ]
     total = len(call.out_positions)  # no escaped tensors: refused above
-    outputs = [i for i in range(total) if _is_float(call, i)]
+    # A constant output is non-differentiable: no tangent (rule 3).
+    outputs = [i for i in range(total) if _is_float(call, i) and i not in call.constant_outputs]
 
     # Forward-mode AD interleaves tangent ops with the primal ones: no replay.
     with call.recompute(replay=False):
