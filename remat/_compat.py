@@ -69,6 +69,7 @@ __all__ = [
     "transform_active",
     "unwrap_if_dead",
     "unwrap_once",
+    "view_base",
 ]
 
 _functorch = torch._C._functorch
@@ -269,6 +270,11 @@ def detach_past_modes(t: torch.Tensor) -> torch.Tensor | None:
 def current_autograd_node() -> Any:
     """The autograd node whose backward runs on this thread, or None (private, 2.13)."""
     return torch._C._current_autograd_node()
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (autograd's ``_base``), or None."""
+    return t._base
 
 
 def gradient_observed(t: torch.Tensor) -> bool:

@@ -44,6 +44,7 @@ from .observed import note_outputs
 from .recording import _new_log, offload_at_forward_end
 from .submodules import SubmodulesAtForward
 from .substitution import _Substitution
+from .views import OutputViews
 
 
 class _Call:
@@ -123,6 +124,8 @@ class _Call:
         #: Positions of the floating outputs no input's gradient flows to (``h.detach()``):
         #: non-differentiable, as without remat (``constants.py``).
         self.constant_outputs: set[int] = set()
+        #: Outputs that are views of another output, made again after ``apply`` (``views.py``).
+        self.views: OutputViews | None = None
         #: The outputs the user has, weakly (`note_outputs`).
         self.output_refs: list[weakref.ref[torch.Tensor]] = []
         self.rng: RngState | None = None
@@ -204,6 +207,8 @@ class _Call:
         return run_as_differentiated(self, tensors)
 
     def unflatten_output(self, flat: Sequence[torch.Tensor]) -> Any:
+        if self.views is not None and self.views.views:
+            flat = self.views.remade(flat)
         leaves = list(self.out_leaves)
         for position, tensor in zip(self.out_positions, flat, strict=True):
             leaves[position] = tensor
@@ -244,6 +249,8 @@ class _Call:
             # Region inputs, parameters (inputs here) and outputs are alive anyway.
             alive = (*tensors, *out, *escaped)
             offload_at_forward_end(self.log, self.offloaded, self.region, alive)
+        if not self.transforms and not self.batched:  # eager autograd (``views.py``)
+            self.views = OutputViews(out)
         # autograd.Function refuses to save an input it also returns as-is: return a view.
         given = {id(t) for t in tensors}
         return (*(t.view_as(t) if id(t) in given else t for t in out), *escaped)
