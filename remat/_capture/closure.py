@@ -22,9 +22,10 @@ NOTE [ Closed-over tensors ]
    of ``forward``), other callable objects (their attributes and ``__call__``),
    and, up to a depth, plain objects and containers held in any of those (an
    attribute of an attribute, an object in a list). A module's private
-   attributes count too (``self._mask``, ``self._cos_cached``: tensors and
-   containers only, not the callables libraries keep there, such as Hugging
-   Face's ``_gradient_checkpointing_func``; a module's own tables
+   attributes count too (``self._mask``, ``self._cos_cached``: tensors only,
+   not the callables libraries keep there, such as Hugging Face's
+   ``_gradient_checkpointing_func``, nor containers such as an RNN's
+   ``_flat_weights``, its own list of its parameters; a module's own tables
    `MODULE_OWN` are walked as parameters and buffers), and so do the tensors its
    class holds (``class Block: mask = torch.ones(4)``), and a tensor attribute of
    an imported module the code names (``tables.MASK``). Anything else (a tensor
@@ -214,8 +215,10 @@ class _Walker:
             if modules_done and (
                 key in MODULE_OWN  # its tables (``_parameters``): walked by `module`
                 or isinstance(value, torch.nn.Module)
-                # A library's private callable (``_gradient_checkpointing_func``).
-                or (key.startswith("_") and not isinstance(value, (torch.Tensor, *_PYTREE_TYPES)))
+                # A private attribute that is no tensor: a library's callable
+                # (``_gradient_checkpointing_func``) or its own view of the module's
+                # tables (an RNN's ``_flat_weights``, walked as parameters).
+                or (key.startswith("_") and not isinstance(value, torch.Tensor))
             ):
                 continue
             self.slot(

@@ -56,10 +56,11 @@ _MAX_ENTRIES = 512
 #: read through the module's tables, never as attributes. Any other attribute may
 #: hold what a region reads, a private one (``self._mask``) included.
 MODULE_OWN = frozenset(vars(torch.nn.Module()))
-#: What a module's private attribute holds that a walk goes into: tensors, generators
-#: and plain containers, not the callables libraries keep there (Hugging Face's
-#: ``_gradient_checkpointing_func``, which reaches a checkpoint function's globals).
-_PRIVATE_WALKED = (torch.Tensor, torch.Generator, list, tuple, dict)
+#: What a module's private attribute holds that a walk reads: a tensor or a generator,
+#: not the callables libraries keep there (Hugging Face's
+#: ``_gradient_checkpointing_func``, which reaches a checkpoint function's globals),
+#: nor a module's own lists of its parameters (an RNN's ``_flat_weights``).
+_PRIVATE_WALKED = (torch.Tensor, torch.Generator)
 
 
 def module_tensors(module: types.ModuleType, names: Iterable[str]) -> list[tuple[str, Any]]:
@@ -132,7 +133,8 @@ class Walk:
         #: engine reads again for its recompute (NOTE [ Bindings the recompute
         #: reads ] in ``_engines/eager/bindings.py``).
         self.tensor_steps: list[int] = []
-        #: The value indexes of the steps that gave a submodule (the same NOTE, rule 6).
+        #: The value indexes of the steps that gave a module: the function itself or a
+        #: submodule (the same NOTE, rules 5 and 7).
         self.module_steps: list[int] = []
 
     def unchanged(self, root: Any) -> bool:
@@ -313,6 +315,8 @@ class Walk:
     def module(self, at: int, module: torch.nn.Module, depth: int) -> None:
         # Its own public attributes and every submodule's, as ``modules()`` finds
         # them, each at the depth after the module's.
+        if at not in self.module_steps:  # the function itself, a global, a method's self
+            self.module_steps.append(at)
         pending = [(at, module)]
         while pending:
             where, sub = pending.pop(0)

@@ -36,7 +36,16 @@ NOTE [ Bindings the recompute reads ]
    of the one the forward ran, so the recompute raises before it starts (also
    where the policy kept all that module made, which a replay would not rerun:
    the cheap check cannot tell).
-6. Not checked here: what the walk does not reach (deeper than its depth, wider
+6. And their modes: a module on the walk (the region's own included) whose
+   ``training`` flag differs when the recompute starts (``model.eval()``
+   between the forward and the backward; a forward in eval mode, then
+   ``model.train()`` and a second forward, then one backward) would recompute
+   another function (dropout off, batch statistics replaced by running ones).
+   So the recompute runs with each such module's flag set back to the one its
+   forward ran with, and put back after (`modes_restored`; the torch.func
+   engine does the same): the gradient of the forward that ran, as plain
+   autograd gives. One tuple comparison when nothing switched.
+7. Not checked here: what the walk does not reach (deeper than its depth, wider
    than its width, a ``__slots__`` object, a tensor a call returns, the
    attributes of an argument object). A saved one is still checked by
    `FrameState.check_rebound` and `check_unbound`.
@@ -56,13 +65,19 @@ from ..._errors import SavedInputMutatedError
 from ..._pytree import tensor_leaves
 from ..._replay.generators import Walk
 
-__all__ = ["BoundAtForward", "refusing_moved", "replaced_submodule_error"]
+__all__ = [
+    "BoundAtForward",
+    "modes_of",
+    "modes_restored",
+    "refusing_moved",
+    "replaced_submodule_error",
+]
 
 
 class BoundAtForward:
     """The tensors a region's function reached through bindings when its forward began."""
 
-    __slots__ = ("fn", "modules", "tensors", "versions", "walk")
+    __slots__ = ("fn", "modes", "modules", "tensors", "versions", "walk")
 
     def __init__(self, fn: Any, walk: Walk) -> None:
         self.fn = fn
@@ -76,6 +91,7 @@ class BoundAtForward:
             for t in self.tensors
         ]
         self.modules = walk.read_steps(fn, walk.module_steps)  # alive anyway (rule 5)
+        self.modes = modes_of(self.modules)
 
     @classmethod
     def capture(cls, fn: Any, walk: Walk) -> BoundAtForward | None:
@@ -113,6 +129,30 @@ class BoundAtForward:
                 out[id(now)] = (now, step, "was written in place since the forward read "
                                            f"it (version {version}, now {now._version})")
         return out
+
+
+def modes_of(modules: list[Any]) -> tuple[bool, ...]:
+    """The ``training`` flag of each module ``Walk.read_steps`` gave (rule 6)."""
+    return tuple(bool(getattr(m, "training", False)) for m in modules)
+
+
+@contextmanager
+def modes_restored(modules: list[Any], modes: tuple[bool, ...]) -> Iterator[None]:
+    """Run a recompute with each of ``modules`` in the mode ``modes`` its forward
+    ran in, and put back the mode it has now after (rule 6)."""
+    now = modes_of(modules)
+    if now == modes:  # the usual case
+        yield
+        return
+    switched = [(m, then, mode) for m, then, mode in zip(modules, modes, now, strict=True)
+                if then != mode]
+    for module, then, _ in switched:
+        module.training = then  # this module only: each submodule has its own entry
+    try:
+        yield
+    finally:
+        for module, _, mode in switched:
+            module.training = mode
 
 
 def replaced_submodule_error(
@@ -168,12 +208,15 @@ def refusing_moved(
     bound: BoundAtForward | None, label: str, guard: StateGuard
 ) -> Iterator[None]:
     """Run a recompute that raises if it reads a moved tensor; costs nothing if none moved."""
-    if bound is not None and bound.modules:
-        bound.check_modules(label)
-    moved = bound.moved(guard.guarded_ids()) if bound is not None and bound.tensors else {}
-    if not moved:
+    if bound is None:
         yield
         return
-    assert bound is not None
-    with _RefuseMoved(bound, label, moved):
-        yield
+    if bound.modules:
+        bound.check_modules(label)
+    moved = bound.moved(guard.guarded_ids()) if bound.tensors else {}
+    with modes_restored(bound.modules, bound.modes):
+        if not moved:
+            yield
+            return
+        with _RefuseMoved(bound, label, moved):
+            yield

@@ -154,10 +154,15 @@ class _Call:
             self.bindings.check_versions(self.region.label)
             table.update(self.bindings.remap(tensors[self.tensor_count :], self.region.label))
         substitution = _Substitution(self, table, tensors)
+        modes = (  # the modules' modes as the forward ran them (``model.eval()`` since)
+            self.submodules.restored()
+            if not first and self.submodules is not None
+            else contextlib.nullcontext()
+        )
         try:
             # The substitution outermost: the state guard's own copies (a recompute's
             # linked copy of a parameter) read the Function's views too.
-            with substitution, self.state.guarded(), self.trace.watching(), \
+            with substitution, modes, self.state.guarded(), self.trace.watching(), \
                     _inference_mode_errors(self.region):
                 args, kwargs = self.arguments.with_views(table)
                 out = self.fn(*args, **kwargs)

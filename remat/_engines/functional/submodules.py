@@ -8,17 +8,20 @@ the rest the gradient of a forward that never ran. So, as in the eager engine
 (NOTE [ Bindings the recompute reads ] rule 5 in ``_engines/eager/bindings.py``),
 the submodules on the generator walk (``_replay/generators.py``) are noted at the
 forward and read again when a recompute starts; another object there raises
-`SavedInputMutatedError` with the eager engine's words and fixes. A backward
+`SavedInputMutatedError` with the eager engine's words and fixes. A module
+switched to another mode since (``model.eval()``) recomputes in the mode its
+forward ran in (`restored`, rule 6 there). A backward
 that does not run ``fn`` again (a held ``save-last`` graph) is not checked: it
 differentiates the forward that ran.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from ..._replay.generators import Walk
-from ..eager.bindings import replaced_submodule_error
+from ..eager.bindings import modes_of, modes_restored, replaced_submodule_error
 
 __all__ = ["SubmodulesAtForward"]
 
@@ -26,12 +29,13 @@ __all__ = ["SubmodulesAtForward"]
 class SubmodulesAtForward:
     """The submodules a region's function reached when its forward began."""
 
-    __slots__ = ("fn", "modules", "walk")
+    __slots__ = ("fn", "modes", "modules", "walk")
 
     def __init__(self, fn: Any, walk: Walk) -> None:
         self.fn = fn
         self.walk = walk
         self.modules = walk.read_steps(fn, walk.module_steps)  # alive anyway
+        self.modes = modes_of(self.modules)
 
     @classmethod
     def capture(cls, fn: Any, walk: Walk) -> SubmodulesAtForward | None:
@@ -45,3 +49,7 @@ class SubmodulesAtForward:
             if module is not then:
                 where = self.walk.describe(self.fn, step)
                 raise replaced_submodule_error(where, label, then, module)
+
+    def restored(self) -> contextlib.AbstractContextManager[None]:
+        """A recompute's context: each module in the mode the forward ran it in."""
+        return modes_restored(self.modules, self.modes)
