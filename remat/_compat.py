@@ -70,6 +70,7 @@ __all__ = [
     "unwrap_if_dead",
     "unwrap_once",
     "view_base",
+    "wrap_for_grad",
 ]
 
 _functorch = torch._C._functorch
@@ -164,6 +165,18 @@ def unwrap_once(t: torch.Tensor) -> torch.Tensor:
     """
     inner: torch.Tensor = _functorch.get_unwrapped(t)
     return inner
+
+
+def wrap_for_grad(t: torch.Tensor, level: int) -> torch.Tensor:
+    """``t`` wrapped at the grad level ``level``, not requiring grad (private, 2.13).
+
+    What ``torch.func.grad`` does to every tensor argument it does not
+    differentiate: an op may then write it in place there (BatchNorm's running
+    statistics), where a tensor of an outer level is refused as "captured".
+    ``torch.func.vjp`` wraps only its primals and offers no such argument.
+    """
+    wrapped: torch.Tensor = _functorch._wrap_for_grad(t, level)
+    return wrapped
 
 
 def unwrap_if_dead(t: torch.Tensor) -> torch.Tensor:

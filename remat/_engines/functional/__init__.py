@@ -43,7 +43,8 @@ NOTE [ The functional engine ]
    differentiates) unless something may differentiate the backward itself: a
    reverse-mode (``Grad``) level on the interpreter stack other than the one
    whose backward this is (``grad(grad)``, ``jacrev(jacrev)``), or eager
-   autograd (a fully unwrapped input or cotangent that requires grad).
+   autograd (a fully unwrapped input or cotangent that requires grad, while
+   grad mode is on: ``loss.backward()`` runs the backward without it).
    Forward-mode levels still see the ops under ``no_grad``.
 5. What keeps savings. Memory: ``grad``, ``vjp``, ``jacrev``, ``vmap`` of those,
    and eager backward through ``vmap`` drop the recompute graph (rule 4); the
@@ -69,7 +70,15 @@ NOTE [ The functional engine ]
    unwrapped. So a recorded forward runs ``fn`` under ``torch.func.vjp`` with
    respect to the inputs some level differentiates, and the backward's ``vjp``
    differentiates the same inputs: both see the same physical ops, which replay
-   and its determinism check need.
+   and its determinism check need. Both run under grad mode (CPU ``nn.LSTM``'s
+   kernel keeps what its backward needs only then); a backward's recompute
+   that nothing differentiates detaches its plain inputs, so eager autograd
+   does not record it (rule 4). Autograd saves a ``clone`` of what an in-place
+   op overwrites once per recording level (``gru_cell``'s ``mul_``): where the
+   levels recording the forward and the recompute may differ (eager autograd
+   recorded a forward whose parameters require grad; a differentiated
+   backward) a replay that fails is run again in full (`_levels_differ`,
+   `_recompute_or_rerun`), still checked against the forward's torch calls.
 8. Offload (NOTE [ Offload: streams, events, prefetch ] in ``_offload/store.py``). At
    the end of a recorded forward, each kept output whose decision is
    ``OFFLOAD`` goes to the region's store (``Region.offload_store``, else

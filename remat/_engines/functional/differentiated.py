@@ -13,7 +13,7 @@ import torch
 from ..escapes import EscapeWatch
 from .guard import _HiddenInputGuard
 from .held import HeldGraph
-from .levels import _differentiable
+from .levels import _differentiable, _writable_inside
 
 
 class DifferentiatedCall(Protocol):
@@ -47,6 +47,9 @@ def run_as_differentiated(
             call.guard.know(moved)
         call.escapes.taint(moved)
         full = list(tensors)
+        _writable_inside(full, call.differentiated)  # an op may write them in place
+        if call.guard is not None:
+            call.guard.know(full)
         for i, t in zip(call.differentiated, moved, strict=True):
             full[i] = t
         out = call.run(full)

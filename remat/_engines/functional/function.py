@@ -28,7 +28,6 @@ NOTE [ What the backward gives back ]
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,13 +36,17 @@ import torch
 
 from ..._compat import unwrap_if_dead
 from ..._compile import uncompiled
+from ..._errors import NondeterministicRecomputeError
 from ..._replay.rng import check_batched_recompute
 from ..escapes import EscapeWatch
+from ..torch_func_refusal import torch_func_refusal
 from .call import _Call
 from .levels import (
     _backward_is_differentiated,
     _differentiable,
     _forward_ad_active,
+    _levels_differ,
+    _recompute_mode,
 )
 from .observed import Observed, observed_outputs
 from .vmap import _VmapRunner, batched_twin
@@ -108,9 +111,11 @@ def _backward(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.T
         restored = call.offloaded.restore() if replay else []
         observed = _observed(ctx, call, grads)
         try:
-            with contextlib.nullcontext() if keep_graph else torch.no_grad():
-                found = _recompute_vjp(
-                    call, inputs, wanted, grads, replay, keep_graph, observed
+            rerun = replay and _levels_differ(keep_graph, inputs)
+            mode, recomputed_from = _recompute_mode(inputs, keep_graph)
+            with mode:
+                found = _recompute_or_rerun(
+                    call, recomputed_from, wanted, grads, (replay, rerun), keep_graph, observed
                 )
         finally:
             if replay:
@@ -210,6 +215,33 @@ def _is_float(call: _Call, index: int) -> bool:
         return True  # an escaped tensor: floating by construction
     leaf = call.out_leaves[call.out_positions[index]]
     return isinstance(leaf, torch.Tensor) and _differentiable(leaf)
+
+def _recompute_or_rerun(
+    call: _Call,
+    inputs: tuple[torch.Tensor, ...],
+    wanted: list[int],
+    grads: tuple[torch.Tensor | None, ...],
+    replay_rerun: tuple[bool, bool],
+    keep_graph: bool,
+    observed: Observed | None,
+) -> tuple[torch.Tensor | None, ...]:
+    """`_recompute_vjp`; in full where other levels record it than the forward and
+    the replay failed (``rerun``: `_levels_differ`)."""
+    replay, rerun = replay_rerun
+    try:
+        try:
+            return _recompute_vjp(call, inputs, wanted, grads, replay, keep_graph, observed)
+        except NondeterministicRecomputeError:
+            if not rerun:
+                raise
+        return _recompute_vjp(call, inputs, wanted, grads, False, keep_graph, observed)
+    except RuntimeError as error:  # what torch.func refuses, said with the region and a fix
+        refusal = torch_func_refusal(
+            call.region.label, error, bool(call.transforms), backward=True
+        )
+        if refusal is None:
+            raise
+        raise refusal from error
 
 def _recompute_vjp(
     call: _Call,

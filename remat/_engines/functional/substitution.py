@@ -12,6 +12,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..._capture.restoring import RestoringGuard
 from ..._compat import current_level, is_functorch_wrapped, unwrap_once
 from ..._state import local
 from .arguments import (
@@ -123,8 +124,7 @@ class _Substitution(TorchFunctionMode):
                 if inner:
                     self.lifted(leaf)
             if new is None and expected:
-                i = expected.get(j)
-                new = None if i is None or leaf is self.tensors[i] else self.tensors[i]
+                new = self._as_in_forward(expected.get(j), leaf)
             if new is not None:
                 if self.replayed is None and id(leaf) in self.index:
                     uses.append((j, self.index[id(leaf)]))
@@ -144,6 +144,20 @@ class _Substitution(TorchFunctionMode):
             return self.guard.run(func, new_args, new_kwargs, leaves)
         return func(*new_args, **new_kwargs)
 
+    def _as_in_forward(self, i: int | None, leaf: torch.Tensor) -> torch.Tensor | None:
+        """In a recompute: the input the forward's op had where ``leaf`` is now, if another.
+
+        A copy a state guard put in a buffer slot for the recompute (BatchNorm's
+        running statistics, NOTE [ State the forward changes ]; the guard is the
+        region's, or a wrapped module's own) stays: the recompute
+        must read the forward's starting value and write the copy, not the input
+        that the forward's op updated in place (an input of an outer level, which a
+        transform refuses to mutate).
+        """
+        if i is None or leaf is self.tensors[i] or _guard_gives(leaf):
+            return None
+        return self.tensors[i]
+
     def _expected(self, func: Any) -> dict[int, int] | None:
         """In a recompute: which leaves of this op were which input in the forward."""
         if self.replayed is None:
@@ -157,3 +171,8 @@ class _Substitution(TorchFunctionMode):
             self.replayed = []  # the ops differ from here on: by identity only
             return None
         return dict(uses) if uses else None
+
+
+def _guard_gives(leaf: torch.Tensor) -> bool:
+    """Whether a state guard running a recompute put ``leaf`` in a slot (`RestoringGuard.gives`)."""
+    return any(isinstance(g, RestoringGuard) and g.gives(leaf) for g in local.state_guards)
