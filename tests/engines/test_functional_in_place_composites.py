@@ -101,16 +101,10 @@ def _grad(
 @pytest.mark.parametrize("frozen", [True, False])
 @pytest.mark.parametrize("kind", ["GRUCell", "GRU"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_gru_under_torch_func_grad(
-    kind: str, policy: str, frozen: bool, request: pytest.FixtureRequest
-) -> None:
-    if kind == "GRU" and not (policy == "save-last" and frozen):  # (that one holds its graph)
-        # Wrong since the walks reach private attributes (main 48c8581): every
-        # parameter's gradient is 0 under nothing-saveable and budget, silently,
-        # or a false NondeterministicRecomputeError; the walks reach private
-        # attributes (nn.GRU's ``_flat_weights``, which ``functional_call`` rewrites
-        # inside the region); strict: the test fails once it is fixed, to drop this.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="GRU _flat_weights: zero grads"))
+def test_gru_under_torch_func_grad(kind: str, policy: str, frozen: bool) -> None:
+    """nn.GRU's ``_flat_weights`` (a private list of its parameters, which
+    ``functional_call`` rewrites) is not walked: walking it gave every parameter a
+    zero gradient."""
     expected, _ = _grad(kind, None, frozen)
     got, counter = _grad(kind, policy, frozen)
     torch.testing.assert_close(got, expected)

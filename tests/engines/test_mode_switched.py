@@ -45,8 +45,10 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def _eval_before_backward(wrap: Callable[[nn.Module], nn.Module]) -> tuple[list[torch.Tensor], nn.Module]:
-    model = Block().train()
+def _eval_before_backward(
+    wrap: Callable[[nn.Module], nn.Module], norm: bool = True
+) -> tuple[list[torch.Tensor], nn.Module]:
+    model = Block(norm).train()
     region = wrap(model)
     torch.manual_seed(1)
     out = region(X)
@@ -56,27 +58,47 @@ def _eval_before_backward(wrap: Callable[[nn.Module], nn.Module]) -> tuple[list[
 
 
 def _assert_recomputed(counter: RecomputeCounter, policy: str) -> None:
-    if policy == "save-last":  # the only region is the latest one: nothing recomputed
-        assert not counter.counts, counter.counts
+    if policy == "save-last":  # the only region is the latest one: its compute kept
+        assert counter.counts["tanh"] == 0, counter.counts
     elif policy.startswith("budget"):
         assert sum(counter.counts.values()) > 0, counter.counts
     else:
         assert counter.counts["tanh"] == 1, counter.counts
 
 
+#: Batch norm in training mode under the torch.func engine's recorded forward (the
+#: op-tracing policies under ``loss.backward()``) hits torch's "mutate a captured
+#: Tensor" on its running statistics, mode switch or not: a known limit, see
+#: `test_batch_norm_in_a_recorded_forward_of_the_torch_func_engine`.
+_BATCH_NORM_CRASHES = {("functional", p) for p in POLICIES if p != "nothing-saveable"}
+
+
 @pytest.mark.parametrize("engine", ["eager", "functional"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_eval_between_forward_and_backward(engine: str, policy: str) -> None:
-    want, plain = _eval_before_backward(lambda m: m)
+    norm = (engine, policy) not in _BATCH_NORM_CRASHES
+    want, plain = _eval_before_backward(lambda m: m, norm)
     with RecomputeCounter() as counter:
-        got, model = _eval_before_backward(lambda m: remat.wrap(m, policy=policy, engine=engine))
+        got, model = _eval_before_backward(
+            lambda m: remat.wrap(m, policy=policy, engine=engine), norm
+        )
     assert len(got) == len(want) == 6
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
     _assert_recomputed(counter, policy)
     assert not any(m.training for m in model.modules())  # the mode it was switched to
-    torch.testing.assert_close(model.norm.running_mean, plain.norm.running_mean)
-    assert int(model.norm.num_batches_tracked) == int(plain.norm.num_batches_tracked) == 1
+    if norm:  # the recompute in training mode did not count the batch again
+        torch.testing.assert_close(model.norm.running_mean, plain.norm.running_mean)
+        assert int(model.norm.num_batches_tracked) == int(plain.norm.num_batches_tracked) == 1
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="batch norm's running statistics are captured tensors in the "
+                          "torch.func engine's recorded forward")
+def test_batch_norm_in_a_recorded_forward_of_the_torch_func_engine() -> None:
+    """Known limit (torch's own error, not a RematError): strict, so it fails once fixed."""
+    model = nn.Sequential(nn.Linear(8, 8, dtype=D), nn.BatchNorm1d(8, dtype=D)).train()
+    remat.wrap(model, policy="dots-saveable", engine="functional")(X).sum().backward()
 
 
 def _eval_then_train_forward(wrap: Callable[[nn.Module], nn.Module]) -> list[torch.Tensor]:
