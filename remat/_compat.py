@@ -18,6 +18,8 @@ NOTE [ Private torch ]
 
 from __future__ import annotations
 
+import collections
+import itertools
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -52,6 +54,7 @@ __all__ = [
     "gradient_observed",
     "interpreters",
     "is_batched",
+    "add_post_accumulate_hook",
     "is_functorch_wrapped",
     "is_traceable_wrapper_subclass",
     "keeping_version_counters",
@@ -356,9 +359,36 @@ def storage_identity(t: torch.Tensor) -> int | None:
         >>> storage_identity(x[1:]) == storage_identity(x)
         True
     """
-    if is_functorch_wrapped(t) or type(t) not in (torch.Tensor, torch.nn.Parameter):
+    # (The type first, and functorch's test inline: a call per pin per region call.)
+    if type(t) not in _PLAIN_TENSORS or _functorch.is_functorch_wrapped_tensor(t):
         return None
     return int(t.untyped_storage()._cdata)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+#: Keys of our entries in a tensor's post-accumulate hooks: negative, where torch's
+#: own ``RemovableHandle`` ids count up from 0, so the two never meet.
+_hook_keys = itertools.count(1)
+
+
+def add_post_accumulate_hook(t: torch.Tensor, hook: Any) -> tuple[dict[int, Any], int]:
+    """``t.register_post_accumulate_grad_hook(hook)`` without its handle: returns the
+    tensor's hook table and the entry's key (``table.pop(key, None)`` removes it).
+
+    The same table torch's method fills (autograd runs its values after each
+    accumulation), without the method's handle object and checks: the module state
+    guard watches every parameter a region runs, on every call (private, 2.13:
+    ``_post_accumulate_grad_hooks``). ``t`` must be a leaf requiring grad.
+    """
+    table: dict[int, Any] | None = t._post_accumulate_grad_hooks
+    if table is None:
+        table = collections.OrderedDict()
+        t._post_accumulate_grad_hooks = table  # the setter links it to autograd
+    key = -next(_hook_keys)
+    table[key] = hook
+    return table, key
 
 
 # -- torch.nn and torch.utils._pytree internals -------------------------------

@@ -60,6 +60,7 @@ from torch import nn
 from .._compat import storage_identity
 from .._state import engine_maps_slots, entered_internally
 from .cells import closed_over_leaves, closure_cells, holds_plain
+from .module_tree import named_subtree
 from .restoring import RestoringGuard
 from .slots import (
     SNAPSHOT_BYTES,
@@ -256,7 +257,7 @@ class StateGuard(RestoringGuard):
             self._watch(type(module).__qualname__, module, is_stateful(module))
 
     def _pin(self, where: str, module: nn.Module, recurse: bool) -> None:
-        named = module.named_modules(remove_duplicate=False) if recurse else [("", module)]
+        named = named_subtree(module) if recurse else [("", module)]
         for prefix, sub in named:
             if id(sub) in self._pinned_ids:
                 continue

@@ -93,10 +93,19 @@ class RestoringGuard:
         try:
             for pin in self.pins:
                 current = pin.table.get(pin.name)
-                if isinstance(current, torch.Tensor) and replaced(current, pin):
+                t = pin.tensor
+                if (
+                    current is not t
+                    and isinstance(current, torch.Tensor)
+                    and replaced(current, pin)
+                ):
                     moved.append((pin, current))
-                    pin.table[pin.name] = pin.tensor
-                self._check(pin)
+                    pin.table[pin.name] = t
+                # Inline, the usual case of `_check`: one call fewer per pin.
+                if t._version != pin.version or (
+                    pin.storage is not None and storage_identity(t) != pin.storage
+                ):
+                    self._check(pin)
             yield
         finally:
             for pin, current in reversed(moved):

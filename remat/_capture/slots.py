@@ -14,7 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._compat import is_functorch_wrapped, no_dispatch_modes, storage_identity
+from .._compat import (
+    add_post_accumulate_hook,
+    is_functorch_wrapped,
+    no_dispatch_modes,
+    storage_identity,
+)
 from .._errors import RematError
 from .._replay.saved_signatures import STANDS_FOR_LEAF
 from .._state import internal, local
@@ -162,27 +167,29 @@ class Accumulations:
 
     def __init__(self) -> None:
         self.thread = local.thread_token
-        self.handles: list[Any] = []
+        #: (hook table, key) of each watched leaf's entry (`add_post_accumulate_hook`).
+        self.handles: list[tuple[dict[int, Any], int]] = []
         self.hit: dict[int, tuple[torch.Tensor, bool]] = {}
         self.ids: set[int] = set()
+        #: id(leaf) -> whether its ``.grad`` was None when watched.
+        self.started_empty: dict[int, bool] = {}
 
     def watch(self, t: torch.Tensor) -> None:
         if id(t) in self.ids:
             return
         self.ids.add(id(t))
-        started_empty = t.grad is None
+        self.started_empty[id(t)] = t.grad is None
+        self.handles.append(add_post_accumulate_hook(t, self._accumulated))
 
-        def accumulated(leaf: torch.Tensor) -> None:
-            if local.thread_token is self.thread:
-                self.hit.setdefault(id(leaf), (leaf, started_empty))
-
-        self.handles.append(t.register_post_accumulate_grad_hook(accumulated))
+    def _accumulated(self, leaf: torch.Tensor) -> None:
+        if local.thread_token is self.thread:
+            self.hit.setdefault(id(leaf), (leaf, self.started_empty[id(leaf)]))
 
     def close(self) -> list[tuple[torch.Tensor, bool]]:
         """Stop watching; the leaves accumulated into, with whether ``.grad`` was None."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles, self.ids = [], set()
+        for table, key in self.handles:
+            table.pop(key, None)
+        self.handles, self.ids, self.started_empty = [], set(), {}
         hit, self.hit = list(self.hit.values()), {}
         return hit
 

@@ -38,11 +38,24 @@ _RESHAPES = frozenset({
 })
 
 
+#: Node type -> the producer a signature names for it (`_RESHAPES` as one). Reading a
+#: node type's ``__name__`` costs more than the rest of a signature: once per type.
+#: Bounded: a custom ``autograd.Function`` defined per call makes a node type per call.
+_PRODUCERS: dict[type, Any] = {}
+_MAX_PRODUCERS = 4096
+
+
 def saved_signature(t: torch.Tensor, is_input: bool) -> SavedSignature:
     """The signature of a tensor autograd saves; ``is_input``: a region input."""
-    made_by: Any = "input" if is_input else type(t.grad_fn)
-    if getattr(made_by, "__name__", None) in _RESHAPES:
-        made_by = "a reshape"
+    made_by: Any = "input"
+    if not is_input:
+        node_type = type(t.grad_fn)
+        made_by = _PRODUCERS.get(node_type)
+        if made_by is None:
+            if len(_PRODUCERS) >= _MAX_PRODUCERS:
+                _PRODUCERS.clear()
+            reshape = getattr(node_type, "__name__", None) in _RESHAPES
+            made_by = _PRODUCERS.setdefault(node_type, "a reshape" if reshape else node_type)
     if getattr(t, STANDS_FOR_LEAF, False):
         made_by = type(None)
     return (t.shape, t.dtype, t.device, made_by)
