@@ -16,7 +16,11 @@ NOTE [ Recompute signatures ]
    with the shapes and dtypes of its tensor arguments (`OpTrace`); a `TraceMode`
    around ``fn`` in each recompute finds its calls, in order, among them (the
    forward may run more: code guarded by ``not remat.is_recomputing()``; a
-   call the forward did not make from there on is a mismatch). Python-level
+   call the forward did not make from there on is a mismatch). A call is its
+   function, the shapes of its tensor arguments and which call made each
+   (a tensor the recompute's calls did not make may stand for any): a recompute's
+   ``h @ w`` does not pass for a skipped forward-only ``h.detach() @ w`` of the
+   same shapes, which would name the wrong maker for what follows. Python-level
    calls, not aten ops: the plain forward (no ``vjp`` under ``nothing-saveable``)
    and the recompute (under ``vjp``) decompose composite ops differently, but
    call the same functions on the same logical shapes.
@@ -160,8 +164,9 @@ def expect_same(
 # torch.func engine (NOTE rule 3)
 # ---------------------------------------------------------------------------
 
-#: One Python-level call: (function, ((shape, dtype) of each tensor argument)).
-Call = tuple[Any, tuple[tuple[torch.Size, torch.dtype], ...]]
+#: One Python-level call: (function, ((shape, dtype) of each tensor argument), the
+#: forward call that made each tensor argument (None: no call of the function)).
+Call = tuple[Any, tuple[tuple[torch.Size, torch.dtype], ...], tuple[int | None, ...]]
 
 
 
@@ -217,7 +222,8 @@ class OpTrace:
         """
         top = state.traces[-1] if state.traces else None
         if isinstance(top, OpTrace) and not state.internal_depth:
-            top.calls.append((func, arg_shapes(args, kwargs)))
+            makers = top.makers
+            top.calls.append((func, arg_shapes(args, kwargs), _arg_makers(args, kwargs, makers.of)))
             return top
         return None
 
@@ -245,7 +251,8 @@ class OpTrace:
             zip(self.output_calls, (mode.makers.of(t) for t in out), strict=False)
         ):
             expect_same(
-                self.label, f"the maker of its output #{position}", then, now,
+                self.label, f"the maker of its output #{position}", then,
+                None if now is None else mode.matched[now],
                 describe=lambda index: _describe_made(self.calls, index),
             )
 
@@ -260,8 +267,10 @@ class TraceMode(TorchFunctionMode):
         super().__init__()
         self.trace = trace
         self.index = 0
-        #: The forward call each recompute call matched, for what it made.
+        #: Which of the recompute's calls (by its count) made each tensor.
         self.makers = _Makers()
+        #: The forward call each of the recompute's calls matched.
+        self.matched: list[int] = []
 
     def __enter__(self) -> TraceMode:
         super().__enter__()  # type: ignore[no-untyped-call]
@@ -280,19 +289,25 @@ class TraceMode(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         # Reading shapes is a torch call (a property) that modes below must not number.
         with INTERNAL:
-            call = (func, arg_shapes(args, kwargs))
+            call = (func, arg_shapes(args, kwargs), _arg_makers(args, kwargs, self._made_by))
         self.note(call)
         out = func(*args, **(kwargs or {}))
-        self.makers.note(optree.tree_leaves(out, none_is_leaf=False), self.index - 1)
+        self.makers.note(optree.tree_leaves(out, none_is_leaf=False), len(self.matched) - 1)
         return out
+
+    def _made_by(self, t: Any) -> int | None:
+        """The forward call matched by the recompute's call that made ``t``."""
+        ordinal = self.makers.of(t)
+        return None if ordinal is None else self.matched[ordinal]
 
     def note(self, call: Call) -> None:
         # The recompute's calls, in order, among the forward's: the forward may run
         # more (code under ``if not remat.is_recomputing()``), never others.
         calls = self.trace.calls
         for j in range(self.index, len(calls)):
-            if calls[j] == call:
+            if _same_call(calls[j], call):
                 self.index = j + 1
+                self.matched.append(j)
                 return
         raise self.mismatch(call)
 
@@ -333,7 +348,7 @@ def inner_region(label: str, inputs: Any) -> Iterator[None]:
     state.traces.append(None)  # first: reading shapes is a torch call the trace must not see
     try:
         if top is not None:
-            top.note((label, _shapes(optree.tree_leaves(inputs, none_is_leaf=False))))
+            top.note((label, _shapes(optree.tree_leaves(inputs, none_is_leaf=False)), ()))
         yield
     finally:
         state.traces.pop()
@@ -354,10 +369,41 @@ def arg_shapes(args: tuple[Any, ...], kwargs: Any) -> tuple[tuple[torch.Size, to
     return tuple(found)
 
 
+def _same_call(forward: Call, recompute: Call) -> bool:
+    """Whether the recompute's call may be the forward's (NOTE rule 3).
+
+    A tensor no call of the recompute made (an input, a closed-over tensor, the
+    forward's own tensor read again, such as a table built on the first call)
+    may stand where the forward's call read any.
+    """
+    if forward[0] != recompute[0] or forward[1] != recompute[1]:
+        return False
+    return all(
+        now is None or now == then for then, now in zip(forward[2], recompute[2], strict=True)
+    )
+
+
+def _arg_makers(
+    args: tuple[Any, ...], kwargs: Any, made_by: Callable[[Any], int | None]
+) -> tuple[int | None, ...]:
+    """Which call made each tensor argument (`arg_shapes`' tensors, in its order).
+
+    Shapes alone would let a recompute's ``h @ w`` pass for a forward-only
+    ``h.detach() @ w`` of the same shapes that it skipped (NOTE rule 3).
+    """
+    found: list[int | None] = []
+    for arg in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(arg, torch.Tensor):
+            found.append(made_by(arg))
+        elif isinstance(arg, (list, tuple)):
+            found.extend(made_by(t) for t in arg if isinstance(t, torch.Tensor))
+    return tuple(found)
+
+
 def _describe_call(call: Call | None) -> str:
     if call is None:
         return "nothing (it had ended)"
-    func, shapes = call
+    func, shapes, _ = call
     args = ", ".join(f"{tuple(shape)} {dtype}" for shape, dtype in shapes)
     return f"{_func_name(func)} on tensors of shape [{args}]"
 

@@ -15,10 +15,12 @@ from .. import _compat
 from .._compile import UncompiledMode
 from .._errors import NondeterministicRecomputeError
 from .._state import local
+from .alignment import NEEDED, Alignment, Mismatch
 from .checks import CURES, arg_shapes, divergence
+from .record import OpRecord
 from .records import OpLog, detached_alias
 from .stand_ins import stand_in
-from .tags import inherit_tag
+from .tags import TAG, inherit_tag
 from .traits import scalars_of, traits
 
 __all__ = ["RecordMode", "ReplayMode", "detached", "side_by_side"]
@@ -82,6 +84,10 @@ class ReplayMode(UncompiledMode):
         #: recompute after its forward: NOTE [ The eager engine ] rule 7).
         self.release = release
         self.index = 0
+        #: What the recompute may do with each record, and the readings once it
+        #: skipped one (NOTE [ Ops the recompute may skip ] in ``_replay/alignment.py``).
+        self.kinds = log.kinds()
+        self.alignment: Alignment | None = None
         # The ops the recompute ran, for error messages. While every op matches
         # the forward (``check``) they are the forward's first ``index`` ops, so
         # they are listed only once one did not (or when nothing checks them).
@@ -96,22 +102,67 @@ class ReplayMode(UncompiledMode):
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func is _DETACH:
-            return func(*args, **kwargs)
-        index = self.index
-        self.index += 1
-        records = self.log.records
-        rec = records[index] if index < len(records) else None
-        if self._ran is not None:
-            self._ran.append(func)
-        if rec is None or rec.op != func:
-            if self.check or rec is not None:  # rule 6: a misplaced replay is garbage
-                raise self.mismatch(index, func)
-        elif self.check:
-            scalars = scalars_of(args, kwargs)
-            if rec.scalars != scalars:
-                raise self.mismatch(index, func, rec.scalars, scalars)
-        if rec is None:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if getattr(args[0], TAG, None) is not None:  # a forward tensor: read as it
+                inherit_tag(args[0], out)
+            if self.alignment is not None:
+                self.alignment.detached(args[0], out)
+            return out
+        if self.alignment is None:
+            # The fast path: the forward's next op, which the recompute must run.
+            index = self.index
+            records = self.log.records
+            rec = records[index] if index < len(records) else None
+            if rec is None and not self.check:
+                self.index += 1
+                if self._ran is not None:
+                    self._ran.append(func)
+                return func(*args, **kwargs)  # past the forward's end: nothing to replay
+            if (
+                rec is not None
+                and rec.op == func
+                and self.kinds[index] == NEEDED
+                and (not self.check or rec.scalars == scalars_of(args, kwargs))
+            ):
+                self.index = index + 1
+                if self._ran is not None:
+                    self._ran.append(func)
+                return self._replay(index, rec, func, args, kwargs)
+            self._start_aligning()
+        return self._aligned(func, args, kwargs)
+
+    def _start_aligning(self) -> None:
+        # NOTE [ Ops the recompute may skip ] in ``_replay/alignment.py``.
+        self.alignment = Alignment(self.log.records, self.kinds, self.log.serial, self.index)
+        self.alignment.check = self.check
+        if self._ran is None:
+            self._ran = [rec.op for rec in self.log.records[: self.index]]
+
+    def _aligned(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """An op off the fast path: matched among the readings of the recompute."""
+        alignment = self.alignment
+        assert alignment is not None and self._ran is not None, (
+            "this is a bug in remat, please report it"
+        )
+        self._ran.append(func)
+        try:
+            index = alignment.match(func, args, kwargs)
+        except Mismatch as failed:
+            raise self.mismatch(alignment.position, func, args, kwargs, failed.why) from None
+        if index is None:  # several forward ops fit: run it, right in every reading
+            out = func(*args, **kwargs)
+        else:
+            out = self._replay(index, self.log.records[index], func, args, kwargs)
+        alignment.ran(out)
+        self.index = alignment.position
+        if alignment.exact():
+            self.alignment = None
+        return out
+
+    def _replay(
+        self, index: int, rec: OpRecord, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run the recompute's op that is forward record ``index``, or hand out what it kept."""
         kept, full = rec.replay_state()
         if full:
             assert kept is not None, "this is a bug in remat, please report it"
@@ -146,26 +197,51 @@ class ReplayMode(UncompiledMode):
         return stand_in(meta, self.log.serial, self.log.label, self.log.records[index].op)
 
     def mismatch(
-        self, index: int, func: Any, forward_scalars: Any = None, recompute_scalars: Any = None
+        self,
+        at: int,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        why: str | None = None,
     ) -> NondeterministicRecomputeError:
-        if self._ran is None:
-            # The ops before ``index`` matched the forward's; from here on, list each.
-            self._ran = [rec.op for rec in self.log.records[:index]] + [func]
+        """The error for recompute op ``func`` that no forward op from ``at`` on can be.
+
+        ``why``: why the forward's next needed op, the same op, is not this one.
+        """
+        records, kinds = self.log.records, self.kinds
+        # The first forward op from ``at`` on that the recompute could not leave out.
+        index = next((j for j in range(at, len(records)) if kinds[j] == NEEDED), len(records))
         forward = self.log.op_names()
         expected = forward[index] if index < len(forward) else "(the forward had ended)"
-        if forward_scalars is None:
-            what = f"the forward ran {expected}, the recompute ran {func}"
-        else:
+        if why is not None:
+            what = f"{func} cannot be the forward's: {why}{SKIPPED_HINT}"
+        elif index < len(records) and records[index].op == func and self.check:
             what = (
-                f"{func} got the numbers {forward_scalars} in the forward and "
-                f"{recompute_scalars} in the recompute (Python state it reads changed)"
+                f"{func} got the numbers {records[index].scalars} in the forward and "
+                f"{scalars_of(args, kwargs)} in the recompute (Python state it reads changed)"
             )
+        else:
+            what = f"the forward ran {expected}, the recompute ran {func}"
+            if any(rec.op == func for rec in records[index + 1 :]):
+                what += SKIPPED_HINT
         # determinism_check=False is no cure: it skips only the numbers' comparison.
         return NondeterministicRecomputeError(
             f"remat: the recompute of {self.log.label} differs from its forward at op "
             f"#{index}: {what}. Its gradients would be wrong. {CURES}\n"
             + side_by_side(forward, [str(f) for f in self.ran])
         )
+
+
+#: After "the forward ran X, the recompute ran Y" when Y comes later in the forward.
+SKIPPED_HINT = (
+    " (the forward ran ops here that the recompute did not: a value built only on the "
+    "first call, `if key not in cache:`, or code under `if not remat.is_recomputing():`? "
+    "A recompute may leave out only ops whose results reach nothing but Python numbers "
+    "(`.item()`), and ops that build a constant from no tensor the region reads, read "
+    "back unwritten. Fix: build such a value before the region or in the module's "
+    "__init__ (register_buffer) and read it from there; end a forward-only statistic in "
+    "`.item()`, or compute it after the region)"
+)
 
 
 #: The modes `detached` steps past.

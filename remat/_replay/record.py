@@ -65,6 +65,11 @@ class OpRecord:
     scalars: tuple[Any, ...] = ()
     #: Runs in the recompute whatever reads it (NOTE [ Record and replay ] rule 5).
     always_live: bool = False
+    #: Draws random numbers or writes to a tensor: never skipped by a recompute
+    #: (NOTE [ Ops the recompute may skip ] in ``_replay/alignment.py``).
+    effectful: bool = False
+    #: Reads a tensor no op of this log made (an input, a parameter, a closure).
+    reads_outside: bool = False
     #: Outputs kept only until the forward ends, in case `checkpoint_name` saves one.
     tentative: bool = False
     #: (shape, dtype) of the op's tensor arguments, for ops that may be replayed:

@@ -71,6 +71,8 @@ import torch
 
 from .. import _compat
 from .._policy.base import Decision, Policy
+from .._pytree import tensor_leaves
+from .alignment import kinds as find_kinds
 from .checks import arg_shapes
 from .record import OpRecord, detached_alias
 from .tags import OpTag, set_tag, tag_inner, tag_of
@@ -96,6 +98,11 @@ class OpLog:
         self.kept_storages: dict[int, list[tuple[OpRecord, int]]] = {}
         #: Every ``checkpoint_name`` given in this forward (NOTE [ Names that match nothing ]).
         self.names_seen: set[str] = set()
+        #: Records whose outputs leave the region (its outputs, escaped tensors): never
+        #: forward-only (NOTE [ Ops the recompute may skip ] in ``_replay/alignment.py``).
+        self.sinks: set[int] = set()
+        #: `kinds` of the records, and how many records there were when they were found.
+        self._kinds: tuple[int, list[int]] | None = None
 
     def record(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         index = len(self.records)
@@ -122,7 +129,8 @@ class OpLog:
             if op_traits.view and decision is not Decision.RECOMPUTE and self._views_dropped(args):
                 decision = Decision.RECOMPUTE  # NOTE rule 8
         rec = OpRecord(op, verdict, decision, index)
-        rec.inputs, rec.scalars = scan_args(args, kwargs, self.serial)
+        rec.inputs, rec.scalars, rec.reads_outside = scan_args(args, kwargs, self.serial)
+        rec.effectful = effectful
         rec.metas = tuple([(t.shape, t.stride(), t.dtype) for t in outputs])
         rec.always_live = effectful or op_traits.reads_data
         if self.policy.plans_from_log or (
@@ -236,6 +244,22 @@ class OpLog:
             # under it would keep a wrapper of a level that dies with the forward.
             with _compat.torch_function_disabled(), _compat.functorch_disabled():
                 self._keep(rec, position, tensor)
+
+    def note_outputs(self, tensors: Any) -> None:
+        """The tensors (any pytree) the region's forward hands out: their records are sinks."""
+        for tensor in tensor_leaves(tensors):
+            found = self.lookup(_compat.physical(tensor))
+            if found is not None:
+                self.sinks.add(found[0].index)
+        self._kinds = None
+
+    def kinds(self) -> list[int]:
+        """What a recompute may do with each record (`alignment.kinds`), found once per log."""
+        cached = self._kinds
+        if cached is None or cached[0] != len(self.records):
+            found = find_kinds(self.records, self.regions, self.sinks)
+            cached = self._kinds = (len(self.records), found)
+        return cached[1]
 
     def end_forward(self) -> None:
         """Release the outputs kept only in case a name would save them."""

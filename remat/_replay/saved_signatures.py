@@ -112,5 +112,13 @@ def check_saved(
 
     expect_same(
         label, f"saved tensor #{index}", expected, seen, same=same, describe=describe_saved,
-        hint=" (debug=True shows both op logs)",
+        hint=SAVED_HINT,
     )
+
+
+#: After a saved tensor that differs: the forward-only code autograd records.
+SAVED_HINT = (
+    " (debug=True shows both op logs; code that only the forward runs, under "
+    "`if not remat.is_recomputing():`, must not be recorded by autograd, which saves "
+    "tensors for it that the recompute does not: run it under `torch.no_grad()`)"
+)

@@ -158,35 +158,41 @@ def flat_tensors(out: Any) -> list[torch.Tensor]:
 
 def scan_args(
     args: tuple[Any, ...], kwargs: dict[str, Any], serial: int
-) -> tuple[tuple[int, ...], tuple[Any, ...]]:
-    """The producers of an op's tensor arguments in the log ``serial`` (by op index) and
-    its Python numbers (`scalars_of`), in one pass (a hot path)."""
+) -> tuple[tuple[int, ...], tuple[Any, ...], bool]:
+    """The producers of an op's tensor arguments in the log ``serial`` (by op index), its
+    Python numbers (`scalars_of`), and whether it reads a tensor no op of that log made
+    (a region input, a parameter, a closed-over tensor), in one pass (a hot path)."""
     producers: list[int] = []
     scalars: list[Any] = []
+    outside = False
     for arg in itertools.chain(args, kwargs.values()) if kwargs else args:
         if isinstance(arg, torch.Tensor):
-            _add_producer(producers, arg, serial)
+            outside = not _add_producer(producers, arg, serial) or outside
         elif isinstance(arg, (list, tuple)):
             for item in arg:
                 if isinstance(item, torch.Tensor):
-                    _add_producer(producers, item, serial)
+                    outside = not _add_producer(producers, item, serial) or outside
         elif isinstance(arg, NUMBERS):
             scalars.append("nan" if arg != arg else arg)
-    return tuple(producers), tuple(scalars)
+    return tuple(producers), tuple(scalars), outside
 
 
-
-def _add_producer(producers: list[int], t: torch.Tensor, serial: int) -> None:
+def _add_producer(producers: list[int], t: torch.Tensor, serial: int) -> bool:
+    """Add the producer of ``t`` in the log ``serial``; False if no op of it made ``t``."""
     tag = getattr(t, TAG, None)  # an OpTag, read by index: a hot path
     if tag is None and type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
         # A DTensor made from a local tensor (``DTensor.from_local``, which a
         # row-parallel layer runs on its input) depends on that tensor's producer.
         names, _ = t.__tensor_flatten__()
+        found = True
         for name in names:
-            _add_producer(producers, getattr(t, name), serial)
-        return
+            found = _add_producer(producers, getattr(t, name), serial) and found
+        return found
     if tag is not None and tag[0] == serial:
         producers.append(tag[1])
+        return True
+    return False
+
 
 def fsdp_inside(label: str, op: Any) -> RematError:
     """The error for an FSDP2 unit inside a region that records ops (NOTE rule 7)."""

@@ -27,6 +27,7 @@ class FinishingFrame(FrameState):
         """Fill holders named after they were saved; release kept ops nothing reads."""
         if self.log is None:
             return
+        self.log.note_outputs(out)  # never forward-only (NOTE [ Ops the recompute may skip ])
         self.settle_budget()
         self.log.end_forward()
         check_names(self.log.policy, self.region.label, self.log.names_seen)

@@ -248,6 +248,8 @@ class _Call:
             self.guard = None
         self.rng_after = self.rng.now() if self.rng is not None else None
         out, escaped = self.escapes.collect(out) if self.escape_seeds else (out, ())
+        if self.log is not None:  # never forward-only (NOTE [ Ops the recompute may skip ])
+            self.log.note_outputs((out, escaped))
         if self.held is not None:  # their roots, while they are the forward's own tensors
             self.held.let_out(escape.target for escape in self.escapes.found)
         if self.log is not None and self.differentiable:
