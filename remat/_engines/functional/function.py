@@ -232,7 +232,10 @@ def _recompute_or_rerun(
         try:
             return _recompute_vjp(call, inputs, wanted, grads, replay, keep_graph, observed)
         except NondeterministicRecomputeError:
-            if not rerun:
+            # A rerun in full is checked by the forward's torch-call trace only; with
+            # ``determinism_check=False`` there is none, and a recompute that really
+            # differs would give the gradient of a forward that never ran.
+            if not rerun or not call.trace.enabled:
                 raise
         return _recompute_vjp(call, inputs, wanted, grads, False, keep_graph, observed)
     except RuntimeError as error:  # what torch.func refuses, said with the region and a fix
