@@ -44,6 +44,8 @@ class Slot:
     #: A module's ``_parameters``/``_buffers`` entry: the module state guard gives the
     #: recompute what the forward read there (NOTE [ State the forward changes ]).
     module_state: bool = False
+    #: A module's ``_buffers`` entry (a running statistic an op may write in place).
+    buffer: bool = False
 
 
 @dataclasses.dataclass
@@ -142,6 +144,17 @@ class Bindings:
             for leaf in slot.leaves
             if isinstance(leaf, torch.Tensor)
         }
+
+    def module_buffers(self) -> list[torch.Tensor]:
+        """The untracked tensors found in modules' buffer tables (running statistics):
+        an op may write them in place."""
+        return [
+            leaf
+            for slot, _ in self._slots
+            if slot.buffer and not slot.positions
+            for leaf in slot.leaves
+            if isinstance(leaf, torch.Tensor)
+        ]
 
     def note_versions(self, used: set[int]) -> None:
         """After the forward: remember the version and storage of each tensor an op read.

@@ -200,7 +200,8 @@ class _Walker:
                 for key, value in table.items():
                     if isinstance(value, torch.Tensor):
                         access = _item_access(table, key)
-                        self.bind(value, *access, f"{path}.{key}", checked, module_state=True)
+                        self.bind(value, *access, f"{path}.{key}", checked, module_state=True,
+                                  buffer=store == "_buffers")
             self.attributes(sub, path, depth, modules_done=True)
             cls = type(sub)
             for key, value in vars(cls).items() if self.first_visit(cls) else ():
@@ -280,6 +281,7 @@ class _Walker:
         where: str,
         checked: bool = True,
         module_state: bool = False,
+        buffer: bool = False,
     ) -> None:
         # An untracked tensor is no input, but its slot still gets the call's
         # tensor back while ``fn`` is recomputed (rule 4).
@@ -289,7 +291,7 @@ class _Walker:
         positions = (0,) if is_tracked(value) else ()
         slot = Slot(
             get, set_, where, positions, leaves, treedef, checked=checked,
-            module_state=module_state,
+            module_state=module_state, buffer=buffer,
         )
         self.bindings.add(slot, leaves)
 

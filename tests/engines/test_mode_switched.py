@@ -66,39 +66,46 @@ def _assert_recomputed(counter: RecomputeCounter, policy: str) -> None:
         assert counter.counts["tanh"] == 1, counter.counts
 
 
-#: Batch norm in training mode under the torch.func engine's recorded forward (the
-#: op-tracing policies under ``loss.backward()``) hits torch's "mutate a captured
-#: Tensor" on its running statistics, mode switch or not: a known limit, see
-#: `test_batch_norm_in_a_recorded_forward_of_the_torch_func_engine`.
-_BATCH_NORM_CRASHES = {("functional", p) for p in POLICIES if p != "nothing-saveable"}
-
-
 @pytest.mark.parametrize("engine", ["eager", "functional"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_eval_between_forward_and_backward(engine: str, policy: str) -> None:
-    norm = (engine, policy) not in _BATCH_NORM_CRASHES
-    want, plain = _eval_before_backward(lambda m: m, norm)
+    want, plain = _eval_before_backward(lambda m: m)
     with RecomputeCounter() as counter:
-        got, model = _eval_before_backward(
-            lambda m: remat.wrap(m, policy=policy, engine=engine), norm
-        )
+        got, model = _eval_before_backward(lambda m: remat.wrap(m, policy=policy, engine=engine))
     assert len(got) == len(want) == 6
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
     _assert_recomputed(counter, policy)
     assert not any(m.training for m in model.modules())  # the mode it was switched to
-    if norm:  # the recompute in training mode did not count the batch again
-        torch.testing.assert_close(model.norm.running_mean, plain.norm.running_mean)
-        assert int(model.norm.num_batches_tracked) == int(plain.norm.num_batches_tracked) == 1
+    # The recompute in training mode did not count the batch again.
+    torch.testing.assert_close(model.norm.running_mean, plain.norm.running_mean)
+    assert int(model.norm.num_batches_tracked) == int(plain.norm.num_batches_tracked) == 1
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="batch norm's running statistics are captured tensors in the "
-                          "torch.func engine's recorded forward")
-def test_batch_norm_in_a_recorded_forward_of_the_torch_func_engine() -> None:
-    """Known limit (torch's own error, not a RematError): strict, so it fails once fixed."""
-    model = nn.Sequential(nn.Linear(8, 8, dtype=D), nn.BatchNorm1d(8, dtype=D)).train()
-    remat.wrap(model, policy="dots-saveable", engine="functional")(X).sum().backward()
+@pytest.mark.parametrize("engine", ["eager", "functional"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_batch_norm_in_training_mode(engine: str, policy: str) -> None:
+    """The torch.func engine's recorded forward (op-tracing policies) runs under
+    ``torch.func.vjp``, where torch refused batch norm's in-place write of its
+    running statistics as a "captured" tensor; the buffers are now wrapped at that
+    level (``differentiated.py``), written through once, as without remat."""
+
+    def step(wrap: Callable[[nn.Module], nn.Module]) -> tuple[list[torch.Tensor], nn.Module]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8, dtype=D), nn.BatchNorm1d(8, dtype=D),
+                              nn.Linear(8, 8, dtype=D)).train()
+        wrap(model)(X).pow(2).sum().backward()
+        return _grads(model), model
+
+    want, plain = step(lambda m: m)
+    with RecomputeCounter() as counter:
+        got, model = step(lambda m: remat.wrap(m, policy=policy, engine=engine))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    for buffer, expected in zip(model.buffers(), plain.buffers(), strict=True):
+        torch.testing.assert_close(buffer, expected)
+    if policy == "nothing-saveable":
+        assert counter.counts["native_batch_norm"] == 1, counter.counts
 
 
 def _eval_then_train_forward(wrap: Callable[[nn.Module], nn.Module]) -> list[torch.Tensor]:

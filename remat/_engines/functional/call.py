@@ -142,11 +142,18 @@ class _Call:
         #: Recompute signatures ] in ``_replay/checks.py``).
         self.trace = OpTrace(region.label, region.determinism_check)
 
-    def run(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Call ``fn`` with ``tensors`` in place of the inputs; return its tensor outputs."""
+    def run(
+        self, tensors: Sequence[torch.Tensor], writable: dict[int, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """Call ``fn`` with ``tensors`` in place of the inputs; return its tensor outputs.
+
+        ``writable``: more substitutions, by id (the recorded forward's module buffers
+        wrapped at its ``vjp`` level, ``differentiated.py``)."""
         table = {
             id(o): t for o, t in zip(self.originals, tensors, strict=True) if o is not t
         }
+        if writable:
+            table.update(writable)
         first = self.reads is None
         if not first:  # a recompute: what the forward saw, though slots were rebound since
             if self.submodules is not None:

@@ -10,6 +10,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ..._capture.bindings import Bindings
+from ..._compat import current_level, wrap_for_grad
 from ..escapes import EscapeWatch
 from .guard import _HiddenInputGuard
 from .held import HeldGraph
@@ -23,7 +25,15 @@ class DifferentiatedCall(Protocol):
     guard: _HiddenInputGuard | None
     escapes: EscapeWatch
 
-    def run(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]: ...
+    @property
+    def bindings(self) -> Bindings: ...
+
+    @property
+    def transforms(self) -> Sequence[Any]: ...
+
+    def run(
+        self, tensors: Sequence[torch.Tensor], writable: dict[int, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, ...]: ...
 
 
 def run_as_differentiated(
@@ -52,7 +62,11 @@ def run_as_differentiated(
             call.guard.know(full)
         for i, t in zip(call.differentiated, moved, strict=True):
             full[i] = t
-        out = call.run(full)
+        # Under an outer torch.func transform torch refuses the write without remat too.
+        writable = {} if call.transforms else _writable_buffers(call.bindings)
+        if call.guard is not None and writable:
+            call.guard.know(list(writable.values()))
+        out = call.run(full, writable)
         kinds[:] = [_differentiable(t) for t in out]
         # vjp takes floating outputs only; integer ones travel as aux.
         floats = tuple(t for t in out if _differentiable(t))
@@ -69,3 +83,15 @@ def run_as_differentiated(
         held.kinds = list(kinds)
     it_f, it_o = iter(floats), iter(others)
     return tuple(next(it_f) if k else next(it_o) for k in kinds)
+
+
+def _writable_buffers(bindings: Bindings) -> dict[int, torch.Tensor]:
+    """The module buffers ``fn`` reaches (running statistics), wrapped at the ``vjp``'s
+    level, by id: batch norm in training mode writes them in place there, where
+    torch refuses a tensor of an outer level as "captured". The wrapper writes
+    through to the buffer, as when ``torch.func.grad`` gets buffers as arguments.
+    Only under eager autograd: under an outer transform no remat is refused too."""
+    level = current_level()
+    if level is None:
+        return {}
+    return {id(t): wrap_for_grad(t, level) for t in bindings.module_buffers()}
