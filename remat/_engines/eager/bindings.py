@@ -67,6 +67,7 @@ from ..._replay.generators import Walk
 
 __all__ = [
     "BoundAtForward",
+    "check_replaced",
     "modes_of",
     "modes_restored",
     "refusing_moved",
@@ -100,11 +101,7 @@ class BoundAtForward:
 
     def check_modules(self, label: str) -> None:
         """Raise if a submodule the forward reached was replaced since (rule 5)."""
-        now = self.walk.read_steps(self.fn, self.walk.module_steps)
-        for step, then, module in zip(self.walk.module_steps, self.modules, now, strict=True):
-            if module is not then:
-                where = self.walk.describe(self.fn, step)
-                raise replaced_submodule_error(where, label, then, module)
+        check_replaced(self.walk, self.fn, self.modules, label)
 
     def moved(self, guarded: set[int]) -> dict[int, tuple[torch.Tensor, int, str]]:
         """Each tensor bound now that the forward did not read there, by id:
@@ -153,6 +150,15 @@ def modes_restored(modules: list[Any], modes: tuple[bool, ...]) -> Iterator[None
     finally:
         for module, _, mode in switched:
             module.training = mode
+
+
+def check_replaced(walk: Walk, fn: Any, modules: list[Any], label: str) -> None:
+    """Raise `replaced_submodule_error` if a module the walk gave as ``modules`` at
+    the forward is another object now (rule 5; both engines' recompute)."""
+    now = walk.read_steps(fn, walk.module_steps)
+    for step, then, module in zip(walk.module_steps, modules, now, strict=True):
+        if module is not then:
+            raise replaced_submodule_error(walk.describe(fn, step), label, then, module)
 
 
 def replaced_submodule_error(

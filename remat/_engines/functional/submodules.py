@@ -21,7 +21,7 @@ import contextlib
 from typing import Any
 
 from ..._replay.generators import Walk
-from ..eager.bindings import modes_of, modes_restored, replaced_submodule_error
+from ..eager.bindings import check_replaced, modes_of, modes_restored
 
 __all__ = ["SubmodulesAtForward"]
 
@@ -44,11 +44,7 @@ class SubmodulesAtForward:
 
     def check(self, label: str) -> None:
         """Raise if a submodule the forward ran was replaced since."""
-        now = self.walk.read_steps(self.fn, self.walk.module_steps)
-        for step, then, module in zip(self.walk.module_steps, self.modules, now, strict=True):
-            if module is not then:
-                where = self.walk.describe(self.fn, step)
-                raise replaced_submodule_error(where, label, then, module)
+        check_replaced(self.walk, self.fn, self.modules, label)
 
     def restored(self) -> contextlib.AbstractContextManager[None]:
         """A recompute's context: each module in the mode the forward ran it in."""
