@@ -35,9 +35,11 @@ import tempfile
 from collections.abc import Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from remat import _demo_model as demo
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or loaded
+import width_sweep as sweep
 
 ALL_BUT_LAST = "torch-all-but-last"
 
@@ -51,18 +53,9 @@ PAIRS: tuple[tuple[str, str], ...] = (
 
 
 def loss_fn(model: demo.Stack, variant: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """One step's loss: a `Stack` checkpointing string, or torch's all-but-last."""
-    if variant != ALL_BUT_LAST:
-        return lambda x: model.loss(x, variant)
-
-    def all_but_last(x: torch.Tensor) -> torch.Tensor:
-        *rest, last = model.blocks
-        for block in rest:
-            x = checkpoint(block, x, use_reentrant=False)
-        out: torch.Tensor = last(x).pow(2).mean()
-        return out
-
-    return all_but_last
+    """One step's loss: a `Stack` checkpointing string, or torch's all-but-last
+    (``width_sweep.py``'s, under this script's shorter name)."""
+    return sweep.loss_fn(model, sweep.ALL_BUT_LAST if variant == ALL_BUT_LAST else variant)
 
 
 def _stepper(variant: str, width: int, seq: int, batch: int) -> Callable[[], None]:
