@@ -135,3 +135,31 @@ def test_a_slot_the_forward_did_not_read_gives_way(policy: str) -> None:
         (got,) = torch.autograd.grad(out.pow(2).sum(), w)
     torch.testing.assert_close(got, want)
     assert counter.counts["tanh"] == 1, counter.counts
+
+
+def test_a_tiny_gpt2_with_its_tied_head_given_two_values() -> None:
+    """GPT-2 ties ``lm_head.weight`` to ``transformer.wte.weight``: the same refusal on
+    a real model, and the eager engine (the fix) gives no remat's gradients."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                     n_positions=32)
+    ids = torch.arange(16).reshape(2, 8) % 64
+
+    def grads(engine: str | None) -> dict[str, torch.Tensor | None]:
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config)
+        if engine is not None:  # one region around the model: both tied names inside
+            model = remat.wrap(model, policy="nothing-saveable", engine=engine)
+        params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+        params["lm_head.weight"] = (2 * params["transformer.wte.weight"]).detach().requires_grad_()
+        out = functional_call(model, params, (ids,), {"use_cache": False}, tie_weights=False)
+        out.logits.pow(2).mean().backward()
+        return {k: v.grad for k, v in params.items()}
+
+    with pytest.raises(SavedInputMutatedError, match="holding one tensor"):
+        grads("functional")
+    want = grads(None)
+    with RecomputeCounter() as counter:
+        got = grads("eager")
+    _assert_same(got, want)
+    assert counter.counts["addmm"] > 0, counter.counts
