@@ -6,7 +6,7 @@ NOTE [ Closed-over tensors ] rules 2 and 4 (in ``_capture/closure.py``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from typing import Any
 
 import optree
@@ -78,7 +78,10 @@ class Bindings:
         self._slots.append((slot, indices))
 
     def remap(
-        self, replacements: Sequence[torch.Tensor], label: str = "the region"
+        self,
+        replacements: Sequence[torch.Tensor],
+        label: str = "the region",
+        alive: list[torch.Tensor] | None = None,
     ) -> dict[int, torch.Tensor]:
         """What a recompute substitutes for slots rebound since the call (rule 4).
 
@@ -94,6 +97,12 @@ class Bindings:
         has put the one tied tensor back) cannot both be given theirs: that
         raises, where a guess would be a wrong gradient. A slot the forward did
         not read gives way to one it read (a dict entry rebound with the others).
+
+        The table is keyed by ``id``: each tensor it maps is appended to ``alive``,
+        which the caller holds while the table is in use. A recompute that rebinds
+        the slot again (``self.weight = v / v.norm()`` in ``forward``) frees the
+        tensor there, and a tensor the recompute makes next could get its id and
+        be substituted (a wrong gradient, or a shape mismatch).
         """
         table: dict[int, torch.Tensor] = {}
         found_in: dict[int, tuple[str, bool]] = {}  # the slot a mapping came from, read
@@ -122,6 +131,8 @@ class Bindings:
                                 continue
                         table[id(now)] = wanted
                         found_in[id(now)] = (slot.where, read)
+                        if alive is not None:
+                            alive.append(now)
         return table
 
     def reached(self) -> dict[int, str]:
@@ -172,11 +183,17 @@ class Bindings:
                         if isinstance(t, torch.Tensor) and id(t) in used
                     ]
 
-    def check_versions(self, label: str) -> None:
-        """Before a recompute: raise if a closed-over tensor changed in place since."""
+    def check_versions(self, label: str, restored: Set[int] = frozenset()) -> None:
+        """Before a recompute: raise if a closed-over tensor changed in place since.
+
+        ``restored``: ids of tensors the state guard gives the recompute as the forward
+        found them (`RestoringGuard.restored_ids`): a buffer the forward itself
+        updates, written again by a later forward, is read from its copy."""
         for slot, _ in self._slots:
             for i, version, storage in slot.read_versions:
                 t = slot.leaves[i]
+                if id(t) in restored:
+                    continue
                 with torch_function_disabled():
                     now = (t._version, storage_identity(t))
                 if now == (version, storage):
@@ -186,7 +203,8 @@ class Bindings:
                     f"remat: {where} (shape {tuple(t.shape)}) was modified in place "
                     f"or reassigned ('.data = ...') after the forward pass of {label} read "
                     "it, so the recompute would use the new values (plain autograd raises "
-                    "here too). Modify it after the backward, or modify a clone of it."
+                    "too where it saved the tensor). Modify it after the backward, or "
+                    "modify a clone of it."
                 )
 
 

@@ -45,6 +45,16 @@ cells of the region's function and the ``.grad`` of the leaves it reaches).
    region runs and of the leaf tensors its function closes over, when the
    forward starts and ends; the recompute puts back the ``.grad`` of those the
    forward changed.
+4. Modes. A module's ``training`` flag may be switched between the forward and
+   the backward (``model.eval()``; a forward in eval mode, then ``train()`` and
+   a second forward, then one backward), and the recompute would run another
+   function (dropout off, running statistics instead of batch ones). The guard
+   notes the flag of every module it pins (the region's own subtree, the
+   modules it is given as arguments or closes over, each module that runs, with
+   its subtree) when the forward first reaches it; the recompute runs with each
+   flag as noted, and puts back the one it found after. This covers modules the
+   binding walk does not reach (an argument's; NOTE [ Bindings the recompute
+   reads ] rule 6 covers those on the walk that do not run).
 """
 
 from __future__ import annotations
@@ -75,7 +85,7 @@ from .slots import (
 from .stateful import GuardsItsModules, is_stateful
 from .watching import watching
 
-__all__ = ["SNAPSHOT_BYTES", "StateGuard", "state_guard_of"]
+__all__ = ["SNAPSHOT_BYTES", "StateGuard", "restored_ids_of", "state_guard_of"]
 
 
 class StateGuard(RestoringGuard):
@@ -134,6 +144,9 @@ class StateGuard(RestoringGuard):
         self.seen: list[tuple[dict[str, Any], str, torch.Tensor]] | None = None
         self.pins: list[Pin] | None = None
         self._pinned_ids: set[int] = set()
+        #: Each module pinned, with its ``training`` flag when the forward first ran
+        #: it or its parent (rule 4).
+        self.modes: list[tuple[nn.Module, bool]] = []
         self._snapshotted: set[int] = set()
         #: Slots of the modules the forward runs (NOTE [ State the forward changes ]
         #: rule 1), and after it those the forward wrote in place.
@@ -182,7 +195,8 @@ class StateGuard(RestoringGuard):
             yield from self._forward()
         else:
             self._refuse_unrestorable()
-            with self._pinned(), self._cells_restored(), self._grads_kept():
+            with self._pinned(), self._modes_restored(), self._cells_restored(), \
+                    self._grads_kept():
                 yield from self._swapped()
 
     # -- forward -------------------------------------------------------------
@@ -262,6 +276,7 @@ class StateGuard(RestoringGuard):
             if id(sub) in self._pinned_ids:
                 continue
             self._pinned_ids.add(id(sub))
+            self.modes.append((sub, sub.training))
             path = f"{where}.{prefix}" if prefix else where
             stateful = is_stateful(sub)
             self._watch(path, sub, stateful)
@@ -338,3 +353,14 @@ def state_guard_of(
     return StateGuard(
         label, roots, owners, cells=cells, leaves=closed_over_leaves(fn, cells), grads=grads
     )
+
+
+def restored_ids_of(fn: Callable[..., Any], guard: RestoringGuard) -> set[int]:
+    """Ids of the tensors a recompute of ``fn`` reads from copies of their start values
+    (`RestoringGuard.restored_ids`): ``guard``'s, and those of the guard a wrapped
+    module's forward keeps for its own module (``_modules._Forward.state``)."""
+    ids = guard.restored_ids()
+    own = getattr(fn, "state", None)
+    if isinstance(own, RestoringGuard) and own is not guard:
+        ids |= own.restored_ids()
+    return ids

@@ -43,6 +43,8 @@ class RestoringGuard:
     _swaps: dict[tuple[int, str], torch.Tensor] | None
     _installed: dict[tuple[int, str], torch.Tensor]
     _reswapped: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]]
+    #: Each module the forward ran (or was given), with its ``training`` flag then.
+    modes: list[tuple[nn.Module, bool]]
 
     def _refuse_unrestorable(self) -> None:
         for watched in self.written:
@@ -60,6 +62,18 @@ class RestoringGuard:
         finally:
             for cell, value in before:
                 cell.cell_contents = value
+
+    @contextlib.contextmanager
+    def _modes_restored(self) -> Iterator[None]:
+        """Run the recompute with each module in the mode its forward ran in (rule 4)."""
+        switched = [(m, then, m.training) for m, then in self.modes if m.training != then]
+        for module, then, _ in switched:
+            module.training = then  # this module only: each submodule has its own entry
+        try:
+            yield
+        finally:
+            for module, _, now in switched:
+                module.training = now
 
     @contextlib.contextmanager
     def _grads_kept(self) -> Iterator[None]:
@@ -158,6 +172,14 @@ class RestoringGuard:
             self._reswapped, self._installed = [], {}
             for table, name, buffer in reversed(originals):
                 table[name] = buffer
+
+    def restored_ids(self) -> set[int]:
+        """Ids of the tensors now in the slots whose start value the recompute gets a copy
+        of (a stateful module's buffers; what the forward wrote in place, rule 1): a later
+        forward writing them again is state changing, not a mutation the recompute sees."""
+        ids = {id(table.get(name)) for table, name, _ in self.seen or ()}
+        ids.update(id(w.tensor) for w in self.written if w.snapshot is not None)
+        return ids
 
     def gives(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a copy this guard put in a slot for the running recompute."""

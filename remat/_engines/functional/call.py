@@ -16,7 +16,7 @@ import optree
 import torch
 
 from ..._capture.closure import Bindings, find_closed_over
-from ..._capture.module_state import state_guard_of
+from ..._capture.module_state import restored_ids_of, state_guard_of
 from ..._compat import interpreters
 from ..._offload.selection import current_store
 from ..._policy.name_check import check_names
@@ -158,8 +158,14 @@ class _Call:
         if not first:  # a recompute: what the forward saw, though slots were rebound since
             if self.submodules is not None:
                 self.submodules.check(self.region.label)
-            self.bindings.check_versions(self.region.label)
-            table.update(self.bindings.remap(tensors[self.tensor_count :], self.region.label))
+            self.bindings.check_versions(
+                self.region.label, restored_ids_of(self.user_fn, self.state)
+            )
+            # Held while the table is: it is keyed by their ids (`Bindings.remap`).
+            keys_alive: list[torch.Tensor] = []
+            table.update(
+                self.bindings.remap(tensors[self.tensor_count :], self.region.label, keys_alive)
+            )
         substitution = _Substitution(self, table, tensors)
         modes = (  # the modules' modes as the forward ran them (``model.eval()`` since)
             self.submodules.restored()
