@@ -167,3 +167,44 @@ def test_remap_holds_each_tensor_it_keys_by_id() -> None:
     holder.w = torch.zeros(3)  # type: ignore[assignment]  # the recompute rebinds it again
     gc.collect()
     assert set(table) == {id(t) for t in alive}
+
+
+class Normalized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8, dtype=D)
+        self.norm = nn.BatchNorm1d(8, dtype=D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(self.lin(x)))
+
+
+def _eval_then_train(wrap: object, backward_between: bool) -> list[torch.Tensor]:
+    model = Normalized()
+    region = wrap(model)  # type: ignore[operator]
+    model.eval()
+    calm = region(X0).pow(2).sum()
+    if backward_between:
+        calm.backward()
+    model.train()
+    noisy = region(X1).pow(3).sum()
+    (noisy if backward_between else calm + noisy).backward()
+    return _grads(model)
+
+
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable"])
+def test_batch_norm_in_eval_then_training_mode_before_one_backward(policy: str) -> None:
+    """docs/modules.md: plain autograd's backward of the eval forward reads the running
+    statistics the training forward updated; the eager engine gives what it gives, the
+    torch.func engine the gradient of the forward that ran (a backward in between)."""
+    plain = _eval_then_train(lambda m: m, backward_between=False)
+    ran = _eval_then_train(lambda m: m, backward_between=True)
+    assert not torch.allclose(plain[0], ran[0])  # the case differs at all
+    eager = _eval_then_train(lambda m: remat.wrap(m, policy=policy, engine="eager"), False)
+    functional = _eval_then_train(
+        lambda m: remat.wrap(m, policy=policy, engine="functional"), False
+    )
+    for e, f, p, r in zip(eager, functional, plain, ran, strict=True):
+        torch.testing.assert_close(e, p)
+        torch.testing.assert_close(f, r)
