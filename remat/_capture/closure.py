@@ -62,7 +62,7 @@ from typing import Any
 import optree
 import torch
 
-from .._replay.generators import MODULE_OWN, module_tensors
+from .._replay.generators import MODULE_OWN, holds_tensor, module_tensors, walks_private
 from .bindings import Bindings, Slot, is_tracked
 from .stateful import is_stateful
 
@@ -180,11 +180,12 @@ class _Walker:
                 continue
             value = scope[name]
             if isinstance(value, types.ModuleType):  # ``tables.MASK``: rule 3
-                for attr, tensor in module_tensors(value, names):
-                    self.bind(
-                        tensor,
+                for attr, held in module_tensors(value, names):
+                    self.slot(
+                        held,
                         *_item_access(vars(value), attr),
                         f"attribute '{attr}' of module '{name}' in {where}",
+                        depth,
                     )
                 continue
             self.slot(value, *_item_access(scope, name), f"global '{name}' of {where}", depth)
@@ -205,9 +206,9 @@ class _Walker:
             self.attributes(sub, path, depth, modules_done=True)
             cls = type(sub)
             for key, value in vars(cls).items() if self.first_visit(cls) else ():
-                if isinstance(value, torch.Tensor):  # a tensor the class holds: rule 3
+                if holds_tensor(value):  # a tensor (or a table of them) the class holds: rule 3
                     where_ = f"class attribute '{key}' of {cls.__qualname__}"
-                    self.bind(value, *_class_access(cls, key), where_)
+                    self.slot(value, *_class_access(cls, key), where_, depth)
 
     def attributes(self, obj: Any, where: str, depth: int, modules_done: bool = False) -> None:
         for key, value in list(vars(obj).items()):
@@ -216,10 +217,10 @@ class _Walker:
             if modules_done and (
                 key in MODULE_OWN  # its tables (``_parameters``): walked by `module`
                 or isinstance(value, torch.nn.Module)
-                # A private attribute that is no tensor: a library's callable
-                # (``_gradient_checkpointing_func``) or its own view of the module's
-                # tables (an RNN's ``_flat_weights``, walked as parameters).
-                or (key.startswith("_") and not isinstance(value, torch.Tensor))
+                # A private attribute neither a tensor nor plain data: a library's
+                # callable (``_gradient_checkpointing_func``), or the module's own view
+                # of its tables (an RNN's ``_flat_weights``, walked as parameters).
+                or (key.startswith("_") and not walks_private(obj, value))
             ):
                 continue
             self.slot(

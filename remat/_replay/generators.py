@@ -43,7 +43,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["MISSING", "MODULE_OWN", "Walk", "generators_of", "module_tensors", "walk_of"]
+__all__ = [
+    "MISSING",
+    "MODULE_OWN",
+    "Walk",
+    "generators_of",
+    "holds_tensor",
+    "module_tensors",
+    "walk_of",
+    "walks_private",
+]
 
 _MAX_DEPTH = 4
 #: Items looked at in one container (a closed-over dataset is no place for generators).
@@ -56,18 +65,49 @@ _MAX_ENTRIES = 512
 #: read through the module's tables, never as attributes. Any other attribute may
 #: hold what a region reads, a private one (``self._mask``) included.
 MODULE_OWN = frozenset(vars(torch.nn.Module()))
-#: What a module's private attribute holds that a walk reads: a tensor or a generator,
-#: not the callables libraries keep there (Hugging Face's
-#: ``_gradient_checkpointing_func``, which reaches a checkpoint function's globals),
-#: nor a module's own lists of its parameters (an RNN's ``_flat_weights``).
+#: What a module's private attribute holds that a walk reads (`walks_private`): a
+#: tensor or a generator, or plain data that may hold one (``self._cache = {"k": t}``).
 _PRIVATE_WALKED = (torch.Tensor, torch.Generator)
+_PLAIN_DATA = (dict, list, tuple, types.SimpleNamespace)
+
+
+def walks_private(module: torch.nn.Module, value: Any) -> bool:
+    """Whether a walk reads ``value``, a private attribute of ``module`` (both engines'
+    walks): a tensor, a generator, or plain data (a dict, list, tuple or namespace),
+    but not the callables libraries keep there (Hugging Face's
+    ``_gradient_checkpointing_func``, which reaches a checkpoint function's globals),
+    nor a module's own view of its tables (an RNN's ``_flat_weights``, its parameters:
+    the module state guard has them, and ``functional_call`` rewrites the list)."""
+    if isinstance(value, _PRIVATE_WALKED):
+        return True
+    if not isinstance(value, _PLAIN_DATA):
+        return False
+    own = {id(t) for t in module._parameters.values()}
+    own.update(id(t) for t in module._buffers.values())
+    items = vars(value).values() if isinstance(value, types.SimpleNamespace) else (
+        value.values() if isinstance(value, dict) else value
+    )
+    return not any(id(item) in own for item in itertools.islice(items, _MAX_ITEMS))
+
+
+def holds_tensor(value: Any) -> bool:
+    """A tensor, or a dict, list or tuple with a tensor among its items (a class's or
+    an imported module's table: ``TABLE = {"mask": t}``)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return False
+    return any(isinstance(v, torch.Tensor) for v in itertools.islice(value, _MAX_ITEMS))
 
 
 def module_tensors(module: types.ModuleType, names: Iterable[str]) -> list[tuple[str, Any]]:
     """The tensors among ``module``'s attributes that code naming ``names`` can read
-    (``tables.MASK``: both names are in the code's names)."""
+    (``tables.MASK``: both names are in the code's names), and the dicts, lists and
+    tuples holding one (``tables.MASKS["causal"]``)."""
     table = vars(module)
-    return [(name, table[name]) for name in names if isinstance(table.get(name), torch.Tensor)]
+    return [(name, table[name]) for name in names if holds_tensor(table.get(name))]
 
 
 class _Missing:
@@ -333,16 +373,14 @@ class Walk:
             self.length(table, vars(sub))
             for key, value in itertools.islice(vars(sub).items(), _MAX_ITEMS):
                 if key in MODULE_OWN or (
-                    isinstance(key, str)
-                    and key.startswith("_")
-                    and not isinstance(value, _PRIVATE_WALKED)
+                    isinstance(key, str) and key.startswith("_") and not walks_private(sub, value)
                 ):
                     continue
                 self.step(table, _GET, key, value, depth + 1)
             cls = self._record(where, _ATTR, "__class__", _IS, _getter(type(sub)))
             self.step(cls, _ATTR, "forward", type(sub).forward, depth + 1)
             for key, value in vars(type(sub)).items():  # ``class Block: mask = ...``
-                if isinstance(value, torch.Tensor):
+                if holds_tensor(value):
                     self.step(cls, _OWN, key, value, depth + 1)
 
 

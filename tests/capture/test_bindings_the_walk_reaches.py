@@ -1,6 +1,9 @@
 """Bindings both engines' walks must reach: a module's private attribute (``self._mask``,
 ``self._cos_cached``), a tensor its class holds, a tensor attribute of an imported
-module (``tables.MASK``).
+module (``tables.MASK``), and the same holding plain data with a tensor in it
+(``self._cache["mask"]``, ``self._masks[0]``, a private tuple or namespace, a
+class's or an imported module's dict: the third adversarial pass found those
+silent in both engines, since only private tensors were walked).
 
 The second adversarial pass found all three silent in both engines: the walks
 skipped every attribute whose name starts with "_" (meant for ``_parameters`` and
@@ -17,7 +20,7 @@ import functools
 import sys
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -28,7 +31,11 @@ from remat._errors import SavedInputMutatedError
 
 D = torch.double
 POLICIES = ["nothing-saveable", "dots-saveable"]
-KINDS = ["private attribute", "class attribute", "module attribute"]
+KINDS = [
+    "private attribute", "class attribute", "module attribute",
+    "private dict", "private list", "private tuple", "private namespace",
+    "class dict", "module dict",
+]
 
 torch.manual_seed(0)
 W1 = torch.randn(3, 4, dtype=D, requires_grad=True)
@@ -55,12 +62,58 @@ class ClassHeld(torch.nn.Module):
         return _body(x, self.mask)
 
 
+class PrivateData(torch.nn.Module):
+    """Its mask in a private container of the ``kind`` given."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self._cache = {"mask": torch.zeros(4, dtype=D)}
+        self._masks = [torch.zeros(4, dtype=D)]
+        self._pair = (torch.zeros(4, dtype=D), 1)
+        self._ns = types.SimpleNamespace(mask=torch.zeros(4, dtype=D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _body(x, self.mask())
+
+    def mask(self) -> torch.Tensor:
+        if self.kind == "private dict":
+            return self._cache["mask"]
+        if self.kind == "private list":
+            return self._masks[0]
+        if self.kind == "private tuple":
+            return self._pair[0]
+        return self._ns.mask
+
+    def rebind(self, t: torch.Tensor) -> None:
+        if self.kind == "private dict":
+            self._cache["mask"] = t
+        elif self.kind == "private list":
+            self._masks[0] = t
+        elif self.kind == "private tuple":
+            self._pair = (t, 1)
+        else:
+            self._ns.mask = t
+
+
+class ClassTable(torch.nn.Module):
+    TABLE: ClassVar[dict[str, torch.Tensor]] = {"mask": torch.zeros(4, dtype=D)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _body(x, self.TABLE["mask"])
+
+
 tables = types.ModuleType("remat_test_tables")
 tables.MASK = torch.zeros(4, dtype=D)  # type: ignore[attr-defined]
+tables.MASKS = {"mask": torch.zeros(4, dtype=D)}  # type: ignore[attr-defined]
 
 
 def module_attribute(x: torch.Tensor) -> torch.Tensor:
     return _body(x, tables.MASK)  # type: ignore[attr-defined]
+
+
+def module_dict(x: torch.Tensor) -> torch.Tensor:
+    return _body(x, tables.MASKS["mask"])  # type: ignore[attr-defined]
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +121,9 @@ def _fresh_masks() -> Iterator[None]:
     sys.modules[tables.__name__] = tables
     yield
     ClassHeld.mask = torch.zeros(4, dtype=D)
+    ClassTable.TABLE = {"mask": torch.zeros(4, dtype=D)}
     tables.MASK = torch.zeros(4, dtype=D)  # type: ignore[attr-defined]
+    tables.MASKS = {"mask": torch.zeros(4, dtype=D)}  # type: ignore[attr-defined]
     sys.modules.pop(tables.__name__, None)
 
 
@@ -76,7 +131,18 @@ def _case(kind: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[
                               Callable[[torch.Tensor], None]]:
     """The region, what reads its mask now, and what rebinds it (masks start at zero)."""
     ClassHeld.mask = torch.zeros(4, dtype=D)
+    ClassTable.TABLE = {"mask": torch.zeros(4, dtype=D)}
     tables.MASK = torch.zeros(4, dtype=D)  # type: ignore[attr-defined]
+    tables.MASKS = {"mask": torch.zeros(4, dtype=D)}  # type: ignore[attr-defined]
+    if kind.startswith("private ") and kind != "private attribute":
+        data = PrivateData(kind)
+        return data, data.mask, data.rebind
+    if kind == "class dict":
+        return (ClassTable(), lambda: ClassTable.TABLE["mask"],
+                functools.partial(ClassTable.TABLE.__setitem__, "mask"))
+    if kind == "module dict":
+        masks = tables.MASKS  # type: ignore[attr-defined]
+        return module_dict, lambda: masks["mask"], functools.partial(masks.__setitem__, "mask")
     if kind == "private attribute":
         module = Private()
         return module, lambda: module._mask, functools.partial(setattr, module, "_mask")
@@ -112,7 +178,10 @@ def test_rebound_raises_in_the_eager_engine_and_the_fix_works(kind: str, policy:
     message = str(caught.value)
     assert "is another tensor than the forward read there" in message, message
     words = {"private attribute": "._mask", "class attribute": ".__class__.mask",
-             "module attribute": "global 'tables'.MASK"}[kind]
+             "module attribute": "global 'tables'.MASK", "private dict": "._cache['mask']",
+             "private list": "._masks[0]", "private tuple": "._pair",
+             "private namespace": "._ns.mask", "class dict": ".TABLE['mask']",
+             "module dict": "MASKS['mask']"}[kind]
     assert words in message, message
 
     # The fix it names: pass the tensor as an argument.
@@ -192,3 +261,44 @@ def test_a_generator_in_a_private_attribute_is_replayed(engine: str) -> None:
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
     assert counter.counts["tanh"] == 1, counter.counts
+
+
+@pytest.mark.parametrize("engine", ["eager", "functional"])
+@pytest.mark.parametrize("policy", ["nothing-saveable", "dots-saveable", "save-last"])
+def test_a_mask_built_lazily_into_a_private_dict(engine: str, policy: str) -> None:
+    """A causal mask built on the first call of a length, from no tensor, and kept in
+    ``self._masks[T]``, read by two calls before one backward: a correct program.
+    The torch.func engine's op-tracing policies raised its hidden-tensor error."""
+
+    class Causal(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.q = torch.nn.Linear(8, 8, dtype=D)
+            self._masks: dict[int, torch.Tensor] = {}
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            n = x.shape[0]
+            if n not in self._masks:
+                self._masks[n] = torch.ones(n, n).tril().bool()
+            h = self.q(x)
+            scores = torch.where(self._masks[n], h @ h.t(), torch.full((n, n), -1e9, dtype=D))
+            return torch.tanh(torch.softmax(scores, -1) @ h)
+
+    x0 = torch.linspace(-1, 1, 32, dtype=D).reshape(4, 8)
+    x1 = torch.linspace(2, -1, 32, dtype=D).reshape(4, 8)
+
+    def grads(wrap: Callable[[Any], Any]) -> list[torch.Tensor]:
+        model = Causal()
+        region = wrap(model)
+        (region(x0).pow(2).sum() + region(x1).pow(3).sum()).backward()
+        return [p.grad for p in model.parameters() if p.grad is not None]
+
+    want = grads(lambda m: m)
+    with RecomputeCounter() as counter:
+        got = grads(lambda m: remat.remat(m, policy=policy, engine=engine))
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    if policy != "save-last":
+        assert counter.counts["tanh"] == 2, counter.counts
