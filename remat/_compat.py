@@ -48,6 +48,7 @@ __all__ = [
     "dispatch_mode_depth",
     "dynamo_frame_hook",
     "eager_forward_ad_level",
+    "forward_grad_enabled",
     "functorch_disabled",
     "functorch_level",
     "global_forward_pre_hooks",
@@ -139,6 +140,16 @@ def eager_forward_ad_level() -> int:
     read whether one is (2.13).
     """
     return int(torch.autograd.forward_ad._current_level)
+
+
+def forward_grad_enabled() -> AbstractContextManager[Any]:
+    """Forward-mode AD on, inside an ``autograd.Function``'s ``jvp`` rule, which runs it off.
+
+    ``torch.func.jvp`` turns it on the same way but enters a second eager
+    ``dual_level`` when no functorch ``jvp`` is live, which torch refuses; no
+    public switch exists (2.13).
+    """
+    return torch.autograd.forward_ad._set_fwd_grad_enabled(True)
 
 
 # -- functorch wrapper tensors ------------------------------------------------

@@ -49,6 +49,7 @@ from .levels import (
     _recompute_mode,
 )
 from .observed import Observed, observed_outputs
+from .tangents import output_tangents
 from .vmap import _VmapRunner, batched_twin
 
 
@@ -188,13 +189,14 @@ def _jvp(ctx: Any, tangents: tuple[torch.Tensor | None, ...]) -> tuple[torch.Ten
     # A constant output is non-differentiable: no tangent (rule 3).
     outputs = [i for i in range(total) if _is_float(call, i) and i not in call.constant_outputs]
 
-    # Forward-mode AD interleaves tangent ops with the primal ones: no replay.
+    # Forward-mode AD interleaves tangent ops with the primal ones: no replay. The
+    # tangents come at the live level (NOTE [ Tangents at the eager dual level ]).
     with call.recompute(replay=False):
-        out_tangents = torch.func.jvp(
+        out_tangents = output_tangents(
             _partial(call, inputs, moving, outputs),
-            tuple(inputs[i] for i in moving),
-            tuple(tangents[i + 1] for i in moving),
-        )[1]
+            [inputs[i] for i in moving],
+            [t for t in (tangents[i + 1] for i in moving) if t is not None],
+        )
     result: list[torch.Tensor | None] = [None] * total
     for i, t in zip(outputs, out_tangents, strict=True):
         result[i] = t
