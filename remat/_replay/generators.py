@@ -146,9 +146,14 @@ def _contents(cell: Any) -> Any:
         return MISSING
 
 
+#: What a ``_GET`` step reads: every one is a dict (a dict subclass may redefine
+#: ``get``: transformers' ``_CanRecordRegistry.get(model)`` takes no default).
+_dict_get = dict.get
+
+
 def _read(obj: Any, op: int, key: Any) -> Any:
     if op == _GET:
-        return obj.get(key, MISSING)
+        return _dict_get(obj, key, MISSING)
     if op == _ITEM:
         return obj[key] if key < len(obj) else MISSING
     if op == _ATTR:
@@ -188,7 +193,7 @@ class Walk:
                 values.append(None)
                 continue
             if op == _GET:  # inline, not `_read`: this loop is the cache's whole cost
-                now = obj.get(key, MISSING)
+                now = _dict_get(obj, key, MISSING)
             elif op == _ATTR:
                 now = getattr(obj, key, MISSING)
             else:
