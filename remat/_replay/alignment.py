@@ -50,6 +50,14 @@ NOTE [ Ops the recompute may skip ]
 4. While no record was skipped, the replay takes the one-state fast path of
    `ReplayMode` (the forward's next op, needed, and the same op): the general
    path costs only recomputes that skip.
+5. The eager engine matches saved tensors as well as ops. A forward-only op that
+   autograd records (a statistic on a tensor that requires grad, not under
+   ``torch.no_grad()``) saved tensors in the forward that the recompute does not
+   save; they are dropped with the statistic's graph, and the recompute leaves
+   them out (NOTE [ Saved tensors the recompute may skip ] in
+   ``_engines/eager/skipped_saves.py``). A statistic whose tensor is kept (its
+   graph alive) is not forward-only by rule 1's test either way: the recompute
+   must give backward those saved tensors, which it cannot, and raises.
 """
 
 from __future__ import annotations

@@ -17,11 +17,13 @@ from ..._pytree import tensor_leaves
 from ..._replay.checks import differs
 from ..._replay.modes import ReplayMode, detached, side_by_side
 from ..._replay.rng import check_batched_recompute
+from ..._replay.saved_signatures import same_signature, saved_signature
 from ..._replay.stand_ins import raise_if_leaked
 from ..autograd_inside import GradWatch, OutsideGradError, feeds
 from ..recompute import recompute_context
 from .bindings import refusing_moved
 from .finish import FinishingFrame
+from .skipped_saves import SkipMatcher, dead_holders
 from .state import (
     Holder,
     Phase,
@@ -34,6 +36,11 @@ from .state import (
 
 class RecomputingFrame(FinishingFrame):
     """Unpack and recompute: backward asks for what a frame's holders stand for."""
+
+    #: While a recompute matches its saved tensors to the holders by `SkipMatcher`
+    #: (NOTE [ Saved tensors the recompute may skip ]): the matcher, and each save.
+    skipping: SkipMatcher | None = None
+    skipped: list[tuple[torch.Tensor | Holder, torch.Tensor]] | None = None
 
     def unpack(self, holder: Holder) -> torch.Tensor:
         # A ``loss.backward()`` inside compiled code runs this hook where Dynamo
@@ -122,6 +129,21 @@ class RecomputingFrame(FinishingFrame):
         self.offloaded.prune()
 
     def _recompute_or_retry(self, replay: ReplayMode | None, live: list[bool] | None) -> None:
+        """The recompute, its saved tensors in the forward's positions; else, where
+        holders autograd dropped may be left out, matched by `SkipMatcher`."""
+        try:
+            self._recompute_in_place(replay, live)
+            if all(h.tensor is not None for h in self.needed.values()):
+                return
+            failed: NondeterministicRecomputeError | None = None
+        except NondeterministicRecomputeError as error:
+            failed = error
+        if not self._recompute_skipping():
+            if failed is not None:
+                raise failed
+            return  # `recompute` raises, naming the count of saved tensors
+
+    def _recompute_in_place(self, replay: ReplayMode | None, live: list[bool] | None) -> None:
         try:
             self._run_recompute(replay)
         except NondeterministicRecomputeError:
@@ -149,6 +171,66 @@ class RecomputingFrame(FinishingFrame):
             except Exception as again:
                 raise_if_leaked(self.region.label, serial, again)
                 raise
+
+    def _recompute_skipping(self) -> bool:
+        """Recompute again, leaving out dead holders (NOTE [ Saved tensors the recompute may
+        skip ]); whether every reading agreed, and the needed holders are full."""
+        dead = dead_holders([ref() for ref in self.holders])
+        if not dead or not self.needed:
+            return False
+        for emptied in self.needed.values():  # what the failed recompute put there
+            emptied.tensor, emptied.version = None, 0
+        self.recomputed_unreferenced = []
+        self.skipping = SkipMatcher(len(self.holders), dead, set(self.needed))
+        self.skipped = []
+        try:
+            # Every op it does not replay runs (no stand-ins): the failed recompute
+            # released what it replayed, and a stand-in may have been what differed.
+            self._run_recompute(self._replay(None))
+            found = self.skipping.result()
+            saves = self.skipped
+        except _NoReading:
+            found, saves = None, []
+        finally:
+            self.skipping = self.skipped = None
+        if found is None:
+            return False
+        for index, k in sorted(found.items()):
+            value, tensor = saves[k]
+            if self.rebind_checked:
+                self.check_rebound(index, tensor)
+            if self.unreferenced:
+                self.note_unreferenced(index, tensor)
+            holder = self.needed.get(index)
+            if holder is not None:
+                _fill(holder, value, tensor)
+        if self.recomputed_unreferenced:
+            self.check_unbound()
+        return True
+
+    def _collect_skipping(
+        self, skipping: SkipMatcher, value: torch.Tensor | Holder, tensor: torch.Tensor
+    ) -> torch.Tensor:
+        """Recompute pack hook while matching by `SkipMatcher`: note the save, fill nothing."""
+        seen = saved_signature(tensor, id(tensor) in self.recompute_input_ids)
+        stand_in = tensor.device.type == "meta"
+
+        def fits(index: int) -> bool:
+            expected = self.metas[index] if index < len(self.metas) else None
+            if same_signature(expected, seen):
+                return True
+            # A dead op's stand-in that no backward reads: shape and dtype (`check_meta`).
+            unread = stand_in and index not in self.needed
+            return unread and expected is not None and expected[:2] == seen[:2]
+
+        if not skipping.save(fits):
+            raise _NoReading
+        kept = detached(tensor)
+        assert self.skipped is not None, "this is a bug in remat, please report it"
+        self.skipped.append((value if isinstance(value, Holder) else kept, tensor))
+        if skipping.done():
+            raise _StopRecompute
+        return kept
 
     def _replay(self, live: list[bool] | None) -> ReplayMode | None:
         if self.log is None:
@@ -213,6 +295,8 @@ class RecomputingFrame(FinishingFrame):
         index = next(self.recompute_counter)
         tensor = value if isinstance(value, torch.Tensor) else t
         assert tensor is not None, "this is a bug in remat, please report it"
+        if self.skipping is not None:
+            return self._collect_skipping(self.skipping, value, tensor)
         if self.check:
             self.check_meta(index, tensor)
         if self.rebind_checked:
@@ -222,10 +306,7 @@ class RecomputingFrame(FinishingFrame):
         kept = detached(tensor)
         holder = self.needed.get(index)
         if holder is not None:
-            if isinstance(value, torch.Tensor):
-                holder.tensor, holder.version = kept, tensor._version
-            else:
-                holder.tensor = value
+            _fill(holder, value if isinstance(value, Holder) else kept, tensor)
         if index >= self.stop_at:
             raise _StopRecompute
         return kept
@@ -234,6 +315,18 @@ class RecomputingFrame(FinishingFrame):
         if replay is None or self.log is None:
             return " Pass debug=True to remat.remat to see both op logs."
         return "\n" + side_by_side(self.log.op_names(), [str(f) for f in replay.ran])
+
+
+class _NoReading(Exception):
+    """No reading of the recompute's saved tensors is left, or too many are."""
+
+
+def _fill(holder: Holder, value: torch.Tensor | Holder, tensor: torch.Tensor) -> None:
+    """Put a recompute's saved tensor (detached: ``value``) or inner holder into ``holder``."""
+    if isinstance(value, Holder):
+        holder.tensor = value
+    else:
+        holder.tensor, holder.version = value, tensor._version
 
 
 def _grad_watch(frame: RecomputingFrame) -> contextlib.AbstractContextManager[Any]:
