@@ -89,7 +89,15 @@ class RecomputingFrame(FinishingFrame):
                 try:
                     refusing = refusing_moved(self.bound, self.region.label, self.state_guard)
                     with _grad_watch(self), refusing:
-                        self._recompute_or_retry(replay, live)
+                        try:
+                            self._recompute_or_retry(replay, live)
+                        except NondeterministicRecomputeError:
+                            # Saved tensors a forward-only statistic's graph dropped?
+                            if not self._recompute_skipping():
+                                raise
+                        else:
+                            if None in [h.tensor for h in self.needed.values()]:
+                                self._recompute_skipping()  # else raises below
                 except RuntimeError:
                     _explain_outside_grad(self)
                     raise
@@ -129,21 +137,6 @@ class RecomputingFrame(FinishingFrame):
         self.offloaded.prune()
 
     def _recompute_or_retry(self, replay: ReplayMode | None, live: list[bool] | None) -> None:
-        """The recompute, its saved tensors in the forward's positions; else, where
-        holders autograd dropped may be left out, matched by `SkipMatcher`."""
-        try:
-            self._recompute_in_place(replay, live)
-            if all(h.tensor is not None for h in self.needed.values()):
-                return
-            failed: NondeterministicRecomputeError | None = None
-        except NondeterministicRecomputeError as error:
-            failed = error
-        if not self._recompute_skipping():
-            if failed is not None:
-                raise failed
-            return  # `recompute` raises, naming the count of saved tensors
-
-    def _recompute_in_place(self, replay: ReplayMode | None, live: list[bool] | None) -> None:
         try:
             self._run_recompute(replay)
         except NondeterministicRecomputeError:
@@ -305,8 +298,11 @@ class RecomputingFrame(FinishingFrame):
             self.note_unreferenced(index, tensor)
         kept = detached(tensor)
         holder = self.needed.get(index)
-        if holder is not None:
-            _fill(holder, value if isinstance(value, Holder) else kept, tensor)
+        if holder is not None:  # (inline, not `_fill`: once per saved tensor)
+            if isinstance(value, torch.Tensor):
+                holder.tensor, holder.version = kept, tensor._version
+            else:
+                holder.tensor = value
         if index >= self.stop_at:
             raise _StopRecompute
         return kept
