@@ -9,7 +9,13 @@ A plain forward (``nothing-saveable``) has no graph: there the maker of each
 output (the determinism check's trace, NOTE [ Recompute signatures ] in
 ``_replay/checks.py``) tells a ``detach`` apart; other constants (made under
 ``no_grad`` inside the region) still come back requiring grad, with a zero
-gradient: the gradients stay right. Only under eager autograd (no torch.func level
+gradient: the gradients stay right. (Why: the plain forward runs inside the
+Function's ``forward``, under ``no_grad`` already, so a ``no_grad`` block in
+``fn`` changes nothing there; a `TorchFunctionMode` sees its
+``_set_grad_enabled(False)`` on entering and the same call on leaving, so it
+cannot tell the block's inside from its outside. Telling them apart needs the
+plain forward run with grad mode on and every call under ``no_grad``, noting
+the mode each call saw.) Only under eager autograd (no torch.func level
 at the call), where ``requires_grad`` is what the user sees: under a vmap level
 the twin's outputs and the per-example runs (NOTE [ The functional engine ] rule
 10) do not say it the same way.
