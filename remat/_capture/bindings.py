@@ -156,15 +156,16 @@ class Bindings:
             if isinstance(leaf, torch.Tensor)
         }
 
-    def module_buffers(self) -> list[torch.Tensor]:
-        """The untracked tensors found in modules' buffer tables (running statistics):
-        an op may write them in place."""
+    def untracked(self) -> list[torch.Tensor]:
+        """The untracked tensors found outside parameter tables, which an op may write in
+        place: modules' buffers (running statistics), and tensors reached through a
+        closure, a global or an attribute (a statistic, ``STATS["seen"].add_(...)``)."""
         return [
             leaf
             for slot, _ in self._slots
-            if slot.buffer and not slot.positions
-            for leaf in slot.leaves
-            if isinstance(leaf, torch.Tensor)
+            if slot.buffer or not slot.module_state
+            for i, leaf in enumerate(slot.leaves)
+            if isinstance(leaf, torch.Tensor) and i not in slot.positions
         ]
 
     def note_versions(self, used: set[int]) -> None:

@@ -86,12 +86,14 @@ def run_as_differentiated(
 
 
 def _writable_buffers(bindings: Bindings) -> dict[int, torch.Tensor]:
-    """The module buffers ``fn`` reaches (running statistics), wrapped at the ``vjp``'s
-    level, by id: batch norm in training mode writes them in place there, where
-    torch refuses a tensor of an outer level as "captured". The wrapper writes
-    through to the buffer, as when ``torch.func.grad`` gets buffers as arguments.
-    Only under eager autograd: under an outer transform no remat is refused too."""
+    """The untracked tensors ``fn`` reaches (`Bindings.untracked`: running statistics,
+    a statistic in a global dict), wrapped at the ``vjp``'s level, by id: batch norm
+    in training mode, or a statistic's ``add_`` under ``torch.no_grad()``, writes
+    them in place there, where torch refuses a tensor of an outer level as
+    "captured". The wrapper writes through to the tensor, as when ``torch.func.grad``
+    gets buffers as arguments. Only under eager autograd: under an outer transform
+    no remat is refused too."""
     level = current_level()
     if level is None:
         return {}
-    return {id(t): wrap_for_grad(t, level) for t in bindings.module_buffers()}
+    return {id(t): wrap_for_grad(t, level) for t in bindings.untracked()}
