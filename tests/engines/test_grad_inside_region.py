@@ -204,3 +204,39 @@ def test_torch_func_engine_nothing_saveable_says_so(how: str) -> None:
     torch.manual_seed(0)
     fix = _remat(policy="everything-saveable", engine="functional")
     assert_close_each(_run(how, program, fix), expected)
+
+
+def outer_values(x0: torch.Tensor, w: torch.Tensor, wrap: Wrap) -> torch.Tensor:
+    """The inner gradient's values only (no ``create_graph``): its backward packs
+    nothing, so only the pre hooks on the arguments' nodes see it ran
+    (``eager/argument_nodes.py``). Silent before, in the eager engine's
+    ``nothing-saveable`` (the recompute's ``g`` had the direct path alone)."""
+    p = x0 * 2.0
+
+    def block(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        e = (remat.checkpoint_name(torch.tanh((p + x0) @ w), "hidden") ** 2).sum()
+        (g,) = torch.autograd.grad(e, x0, retain_graph=True)
+        return torch.tanh(p @ w) * (g**2).sum()
+
+    return wrap(block)(p, w).sum()
+
+
+@pytest.mark.parametrize("policy", GRAD_INSIDE_POLICIES)
+@pytest.mark.parametrize("how", ["eager", "functional-backward"])
+def test_grad_values_with_respect_to_outside_tensor_raise(how: str, policy: str) -> None:
+    torch.manual_seed(0)
+    expected = _run(how, outer_values, _plain)
+    torch.manual_seed(0)
+    wrap = _remat(policy=policy, **_engine(how))
+    if policy == "everything-except:hidden" and how == "eager":
+        # The recompute makes the named tensor alone; what depends on ``g`` is kept.
+        assert_close_each(_run(how, outer_values, wrap), expected)
+        return
+    with pytest.raises(remat.RematError) as info:
+        _run(how, outer_values, wrap)
+    message = str(info.value)
+    assert "calls torch.autograd.grad with respect to a tensor of shape (4, 3)" in message
+    assert "outer_values.<locals>.block (" in message
+    torch.manual_seed(0)
+    fix = _remat(policy="everything-saveable", **_engine(how))
+    assert_close_each(_run(how, outer_values, fix), expected)

@@ -15,6 +15,7 @@ from ..._errors import RematError
 from ..._policy.base import Decision
 from ..._replay.modes import RecordMode, detached
 from ..._replay.saved_signatures import saved_signature
+from .argument_nodes import argument_nodes_watched
 from .outside import OutsideTensors
 from .state import (
     _HOOKS_REFUSED,
@@ -40,6 +41,7 @@ class Frame(OutsideTensors):
             if self.log is not None:
                 stack.enter_context(RecordMode(self.log))
             stack.enter_context(self.state_guard.guarded())
+            stack.enter_context(argument_nodes_watched(self, self.inputs))
             try:
                 out = self.region.fn(*self.args, **self.kwargs)
             except RuntimeError as error:
