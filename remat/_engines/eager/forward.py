@@ -15,6 +15,7 @@ from ..._errors import RematError
 from ..._policy.base import Decision
 from ..._replay.modes import RecordMode, detached
 from ..._replay.saved_signatures import saved_signature
+from .bindings import forward_reads
 from .outside import OutsideTensors
 from .state import (
     _HOOKS_REFUSED,
@@ -39,6 +40,9 @@ class Frame(OutsideTensors):
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
             if self.log is not None:
                 stack.enter_context(RecordMode(self.log))
+            reads = forward_reads(self.bound)
+            if reads is not None:  # NOTE [ Bindings the recompute reads ] rule 8
+                stack.enter_context(reads)
             stack.enter_context(self.state_guard.guarded())
             try:
                 out = self.region.fn(*self.args, **self.kwargs)
@@ -48,6 +52,8 @@ class Frame(OutsideTensors):
                 failure = error
         if failure is not None:
             raise self.torch_func_inside() from failure
+        if reads is not None and self.bound is not None:
+            self.bound.settle(reads.seen)
         self.versions = [_version(t) for t in self.inputs]
         self.mutated_in_forward = self.versions != start_versions
         self.rng_after = self.rng.now() if self.rng is not None else None
