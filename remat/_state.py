@@ -73,6 +73,10 @@ class ThreadState(threading.local):
         #: (`OpTrace`/`TraceMode`), innermost last; None while a region called
         #: inside one runs. Owner: ``_replay/checks.py``.
         self.traces: list[Any] = []
+        #: What the eager forwards noting their reads have read (ids of the tensors
+        #: their ops got), innermost last (NOTE [ Bindings the recompute reads ]
+        #: rule 8). Owner: ``_capture/reads.py``.
+        self.forward_reads: list[set[int]] = []
         #: Host stores given with `use_host_store`, innermost last.
         #: Owner: ``_offload/selection.py``.
         self.host_stores: list[Any] = []

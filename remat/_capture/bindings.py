@@ -1,6 +1,6 @@
 """What the closure walk found: each slot that holds tensors ``fn`` reads, and its snapshot.
 
-NOTE [ Closed-over tensors ] rules 2 and 4 (in ``_capture/closure.py``).
+NOTE [ Closed-over tensors ] rules 2, 4 and 6 (in ``_capture/closure.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ class Slot:
     module_state: bool = False
     #: A module's ``_buffers`` entry (a running statistic an op may write in place).
     buffer: bool = False
+    #: The tensor the forward itself bound here without reading the one before (a
+    #: cache it grew), and its version then: what the recompute reads
+    #: (NOTE [ Closed-over tensors ] rule 6); None for every other slot.
+    left: torch.Tensor | None = None
+    left_version: int = -1
 
 
 @dataclasses.dataclass
@@ -112,6 +117,12 @@ class Bindings:
                     current = slot.get()
                 except (KeyError, AttributeError, ValueError):  # deleted since
                     continue
+                if slot.left is not None:  # rule 6: what the forward left there
+                    if current is not slot.left and isinstance(current, torch.Tensor):
+                        table[id(current)] = slot.left  # rebound since the forward
+                        if alive is not None:
+                            alive.append(current)
+                    continue
                 if len(slot.leaves) == 1 and current is slot.leaves[0]:
                     continue
                 leaves, treedef = optree.tree_flatten(current, none_is_leaf=True)
@@ -177,6 +188,7 @@ class Bindings:
         self._read = frozenset(used)
         with torch_function_disabled():  # our reads are not the function's
             for slot, _ in self._slots:
+                _note_left(slot, used)
                 if slot.checked:
                     slot.read_versions = [
                         (i, t._version, storage_identity(t))
@@ -191,6 +203,14 @@ class Bindings:
         found them (`RestoringGuard.restored_ids`): a buffer the forward itself
         updates, written again by a later forward, is read from its copy."""
         for slot, _ in self._slots:
+            left = slot.left
+            if left is not None and slot.left_version != -1 and left._version != slot.left_version:
+                raise SavedInputMutatedError(
+                    f"remat: {slot.where} (shape {tuple(left.shape)}), the tensor the "
+                    f"forward pass of {label} bound there, was modified in place after "
+                    "that forward, so the recompute would read the new values. Modify it "
+                    "after the backward, or modify a clone of it."
+                )
             for i, version, storage in slot.read_versions:
                 t = slot.leaves[i]
                 if id(t) in restored:
@@ -207,6 +227,22 @@ class Bindings:
                     "too where it saved the tensor). Modify it after the backward, or "
                     "modify a clone of it."
                 )
+
+
+def _note_left(slot: Slot, used: set[int]) -> None:
+    """Rule 6: note the tensor the forward bound in ``slot`` (one tensor) without
+    reading the one it held before; the recompute reads it as it is. (One that
+    requires grad left the forward through the slot: NOTE [ Escaped tensors ].)"""
+    if len(slot.leaves) != 1 or not isinstance(slot.leaves[0], torch.Tensor):
+        return
+    if id(slot.leaves[0]) in used:
+        return  # read, then rebound (a running average): the recompute reads the old one
+    try:
+        now = slot.get()
+    except (KeyError, AttributeError, ValueError):  # deleted by the forward
+        return
+    if isinstance(now, torch.Tensor) and now is not slot.leaves[0]:
+        slot.left, slot.left_version = now, -1 if now.is_inference() else now._version
 
 
 def _tied_since(label: str, first: str, second: str) -> SavedInputMutatedError:

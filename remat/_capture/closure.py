@@ -50,6 +50,17 @@ NOTE [ Closed-over tensors ]
    remat sees into ] in ``_pytree.py``); an argument leaf that is still an object
    (a config object, a module passed in) is walked like an object ``fn`` reaches,
    so its tensors become inputs, substituted op by op like the others.
+6. A slot the forward itself rebinds (a rotary cache grown for a longer
+   sequence, an attribute or a buffer registered again, with a Python
+   ``maxlen`` beside it) without any op reading the tensor it held at the call
+   (`Bindings.note_versions` knows which ones the ops read) is read by the
+   recompute as the forward left it (`Slot.left`): rule 4's snapshot would give
+   the recompute the old table while ``maxlen`` says not to grow it. One
+   rebound again after the forward maps to what the forward left, and one
+   written in place after it raises. A slot the forward reads and then
+   rebinds (a running average) keeps rule 4: the recompute reads the start
+   tensor, as the forward did, and rebinds it again. (The eager engine's rule:
+   NOTE [ Bindings the recompute reads ] rule 8.)
 """
 
 from __future__ import annotations

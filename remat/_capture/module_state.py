@@ -71,6 +71,7 @@ from .._compat import storage_identity
 from .._state import engine_maps_slots, entered_internally
 from .cells import closed_over_leaves, closure_cells, holds_plain
 from .module_tree import named_subtree
+from .reads import active_reads
 from .restoring import RestoringGuard
 from .slots import (
     SNAPSHOT_BYTES,
@@ -80,6 +81,7 @@ from .slots import (
     buffer_copies,
     has_grad_slot,
     pins_of,
+    settle_pins,
     watch_slots,
 )
 from .stateful import GuardsItsModules, is_stateful
@@ -143,6 +145,10 @@ class StateGuard(RestoringGuard):
         self.owners = list(owners)
         self.seen: list[tuple[dict[str, Any], str, torch.Tensor]] | None = None
         self.pins: list[Pin] | None = None
+        #: Ids of the tensors the forward's ops got, where the engine notes them
+        #: (`active_reads`; NOTE [ Bindings the recompute reads ] rule 8): for the
+        #: buffers the forward rebinds without reading them (`settle_pins`).
+        self.reads: set[int] | None = None
         self._pinned_ids: set[int] = set()
         #: Each module pinned, with its ``training`` flag when the forward first ran
         #: it or its parent (rule 4).
@@ -203,6 +209,7 @@ class StateGuard(RestoringGuard):
 
     def _forward(self) -> Iterator[None]:
         self.seen, self.pins = [], []
+        self.reads = active_reads()
         if engine_maps_slots():  # the torch.func engine maps the slots itself: no pins
             self.pins = None
         self.cell_start = [(cell, cell.cell_contents) for cell in self.cells if holds_plain(cell)]
@@ -226,6 +233,8 @@ class StateGuard(RestoringGuard):
             raise
         if self.pins is None:
             self.pins = []
+        if self.reads is not None:  # a forward that rebinds its own buffer (a grown cache)
+            settle_pins(self.pins, self.reads)
         self._note_writes()
         # Versions as the forward left them: a module that writes its own parameter
         # in forward (``nn.Embedding(max_norm=...)``) writes it again in the recompute.

@@ -34,6 +34,7 @@ __all__ = [
     "linked_copy",
     "pins_of",
     "replaced",
+    "settle_pins",
     "unrestorable",
     "watch_slots",
 ]
@@ -192,6 +193,22 @@ class Accumulations:
         self.handles, self.ids, self.started_empty = [], set(), {}
         hit, self.hit = list(self.hit.values()), {}
         return hit
+
+
+def settle_pins(pins: list[Pin], reads: set[int]) -> None:
+    """At the forward's end: a buffer slot the forward rebound without reading the
+    tensor it held before (``register_buffer`` again, a grown cache) holds what the
+    recompute reads; ``reads``: ids of the tensors the forward's ops got (NOTE [
+    Bindings the recompute reads ] rule 8 in ``_engines/eager/bindings.py``)."""
+    for pin in pins:
+        current = pin.table.get(pin.name)
+        if (
+            not pin.parameter
+            and isinstance(current, torch.Tensor)
+            and current is not pin.tensor
+            and id(pin.tensor) not in reads
+        ):
+            pin.tensor = current
 
 
 def unrestorable(watched: Watched, label: str) -> RematError:

@@ -16,9 +16,13 @@ NOTE [ Ops the recompute may skip ]
      scalars), a branch taken on it changes the ops that follow.
    - *Constant* (``CONSTANT``): an op that draws and writes nothing, outside inner
      regions, whose inputs are all outputs of constant ops (factories such as
-     ``arange``, ``torch.tensor`` data, Python numbers): a value the region
-     builds from nothing it reads, such as a rotary table made on the first
-     call and kept in a cache (``if "inv" not in CACHE: ...``). The recompute may
+     ``arange``, ``torch.tensor`` data, Python numbers) or tensors no op of the
+     region made that require no grad and are none of its inputs (a cached
+     ``inv_freq`` it reaches through an attribute): a value the region
+     builds from nothing it differentiates, such as a rotary table made on the
+     first call and kept in a cache (``if "inv" not in CACHE: ...``), or grown
+     when a longer sequence comes (NOTE [ Bindings the recompute reads ] rule 8
+     in ``_engines/eager/bindings.py``). The recompute may
      skip it only if every op of the recompute that reads its output reads the
      forward's very tensor, unwritten since (version 0), where the forward's op
      read it: the same value, so the same gradients.

@@ -68,7 +68,8 @@ class OpRecord:
     #: Draws random numbers or writes to a tensor: never skipped by a recompute
     #: (NOTE [ Ops the recompute may skip ] in ``_replay/alignment.py``).
     effectful: bool = False
-    #: Reads a tensor no op of this log made (an input, a parameter, a closure).
+    #: Reads a tensor no op of this log made that is an input of the region or
+    #: requires grad (a parameter, a closure): what keeps it from being a constant.
     reads_outside: bool = False
     #: Outputs kept only until the forward ends, in case `checkpoint_name` saves one.
     tentative: bool = False

@@ -64,7 +64,7 @@ NOTE [ Record and replay ]
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 import torch
@@ -86,10 +86,15 @@ _serials = itertools.count(1)
 class OpLog:
     """The record of one forward of one region."""
 
-    def __init__(self, policy: Policy, label: str) -> None:
+    def __init__(
+        self, policy: Policy, label: str, inputs: Iterable[torch.Tensor] = ()
+    ) -> None:
         self.policy = policy
         self.label = label
         self.serial = next(_serials)
+        #: Ids of the region's inputs: never parts of a constant (NOTE [ Ops the
+        #: recompute may skip ] in ``_replay/alignment.py``), grad or not.
+        self.input_ids = frozenset(map(id, inputs))
         self.records: list[OpRecord] = []
         #: Regions that ran inside this one: (first op, end op, producers of their inputs).
         self.regions: list[tuple[int, int, tuple[int, ...]]] = []
@@ -129,7 +134,9 @@ class OpLog:
             if op_traits.view and decision is not Decision.RECOMPUTE and self._views_dropped(args):
                 decision = Decision.RECOMPUTE  # NOTE rule 8
         rec = OpRecord(op, verdict, decision, index)
-        rec.inputs, rec.scalars, rec.reads_outside = scan_args(args, kwargs, self.serial)
+        rec.inputs, rec.scalars, rec.reads_outside = scan_args(
+            args, kwargs, self.serial, self.input_ids
+        )
         rec.effectful = effectful
         rec.metas = tuple([(t.shape, t.stride(), t.dtype) for t in outputs])
         rec.always_live = effectful or op_traits.reads_data

@@ -157,21 +157,29 @@ def flat_tensors(out: Any) -> list[torch.Tensor]:
 
 
 def scan_args(
-    args: tuple[Any, ...], kwargs: dict[str, Any], serial: int
+    args: tuple[Any, ...], kwargs: dict[str, Any], serial: int,
+    inputs: frozenset[int] = frozenset(),
 ) -> tuple[tuple[int, ...], tuple[Any, ...], bool]:
     """The producers of an op's tensor arguments in the log ``serial`` (by op index), its
     Python numbers (`scalars_of`), and whether it reads a tensor no op of that log made
-    (a region input, a parameter, a closed-over tensor), in one pass (a hot path)."""
+    that is one of ``inputs`` (ids of the region's inputs) or requires grad (a
+    parameter, a closed-over tensor), in one pass (a hot path)."""
     producers: list[int] = []
     scalars: list[Any] = []
     outside = False
     for arg in itertools.chain(args, kwargs.values()) if kwargs else args:
         if isinstance(arg, torch.Tensor):
-            outside = not _add_producer(producers, arg, serial) or outside
+            outside = (
+                not _add_producer(producers, arg, serial)
+                and (arg.requires_grad or id(arg) in inputs)
+            ) or outside
         elif isinstance(arg, (list, tuple)):
             for item in arg:
                 if isinstance(item, torch.Tensor):
-                    outside = not _add_producer(producers, item, serial) or outside
+                    outside = (
+                        not _add_producer(producers, item, serial)
+                        and (item.requires_grad or id(item) in inputs)
+                    ) or outside
         elif isinstance(arg, NUMBERS):
             scalars.append("nan" if arg != arg else arg)
     return tuple(producers), tuple(scalars), outside

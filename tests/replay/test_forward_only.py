@@ -243,17 +243,36 @@ def _from_buffer(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.T
     return torch.sin(torch.tanh(x @ w1) * TABLES["cos"]) @ w2
 
 
-def test_a_lazy_table_from_a_tensor_the_region_reads_raises_naming_the_fix(
+def test_a_lazy_table_from_an_untracked_tensor_the_region_reads_is_a_constant(
     engine: Engine,
 ) -> None:
-    """Not a constant (it reads ``BASE``): raises, and the fix the message names works."""
+    """``BASE`` requires no grad: the table is a constant, read as the forward's tensor."""
     ws = _weights()
     expected = _expected(_from_buffer, *ws)
     TABLES.clear()
-    with pytest.raises(remat.NondeterministicRecomputeError, match="register_buffer"):
-        _run(engine, _from_buffer, "dots-saveable", *ws)
-    TABLES["cos"] = torch.cos(BASE)  # the fix: build it before the region
     got, counts = _run(engine, _from_buffer, "dots-saveable", *ws)
+    torch.testing.assert_close(got, expected)
+    assert counts["cos"] == 0 and counts["mm"] == 0 and counts["tanh"] == 1, counts
+
+
+def _from_tracked(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    if "cos" not in TABLES:  # built on the first call from a tensor requiring grad
+        TABLES["cos"] = torch.cos(w1[0])
+    return torch.sin(torch.tanh(x @ w1) * TABLES["cos"]) @ w2
+
+
+def test_a_lazy_table_from_a_tensor_requiring_grad_raises_naming_the_fix(
+    engine: Engine,
+) -> None:
+    """Not a constant (it reads ``w1``): raises, and a fix the message names works
+    (the table as state built outside the region, with the gradient it then has)."""
+    ws = _weights()
+    TABLES.clear()
+    with pytest.raises(remat.RematError, match="Usual causes and their fixes"):
+        _run(engine, _from_tracked, "dots-saveable", *ws)
+    TABLES["cos"] = torch.cos(ws[0][0]).detach()  # the fix: build it before the region
+    expected = _expected(_from_tracked, *ws)
+    got, counts = _run(engine, _from_tracked, "dots-saveable", *ws)
     torch.testing.assert_close(got, expected)
     assert counts["mm"] == 0 and counts["tanh"] == 1
 

@@ -27,7 +27,8 @@ aten = torch.ops.aten
 
 def _record(policy: str, fn: Callable[..., Any], *args: Any) -> tuple[OpLog, Any]:
     """Record ``fn(*args)`` as one region's forward under ``policy``."""
-    log = OpLog(resolve(policy), "test region")
+    inputs = [a for a in args if isinstance(a, torch.Tensor)]  # the region's inputs
+    log = OpLog(resolve(policy), "test region", inputs)
     with RecordMode(log):
         out = fn(*args)
     log.end_forward()

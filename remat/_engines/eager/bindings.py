@@ -49,6 +49,29 @@ NOTE [ Bindings the recompute reads ]
    than its width, a ``__slots__`` object, a tensor a call returns, the
    attributes of an argument object). A saved one is still checked by
    `FrameState.check_rebound` and `check_unbound`.
+8. A binding the region *itself* rebinds during its forward (a rotary cache grown
+   when a longer sequence arrives: ``self.cos_cached = ...`` or
+   ``register_buffer`` again, and a Python int ``maxlen`` with it) is read by
+   the recompute as the forward left it, where the forward did not read the
+   tensor it held before: the recompute then reads the tensor the forward read
+   after rebinding, and the Python state the forward changed (``maxlen``) says
+   not to rebuild it. What the forward's ops read is noted while it runs
+   (`ForwardReads` in ``_capture/reads.py``, a `TorchFunctionMode` noting the
+   id of every tensor an op gets, its ``shape`` and ``len`` included), only for
+   a region whose walk reaches a tensor or a module holding buffers: the tensor
+   bound at the start is alive throughout, so its id in the set means it was
+   read. At the forward's end each binding is read again (`settle`): one
+   rebound to a tensor and whose start tensor no op read is noted as it is
+   then, and the module state guard does the same for its buffer slots
+   (`settle_pins`). A forward that read the old tensor and then rebound it (a
+   running average ``self.state = self.state * 0.9 + m``) keeps rule 4: its
+   recompute would read the new state where the forward read the old one, and
+   raises (a module buffer is the fix: the guard gives the recompute the start
+   tensor, and the recompute rebinds it as the forward did). Rebinding after
+   the forward is rule 4 as before. Not told apart: a forward that rebinds a
+   binding twice, reading the first new tensor in between, and whose Python
+   state makes the recompute skip the first rebinding (like a Python number
+   the region changes, a documented limit).
 """
 
 from __future__ import annotations
@@ -61,12 +84,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..._capture.module_state import StateGuard
+from ..._capture.reads import ForwardReads
 from ..._errors import SavedInputMutatedError
 from ..._pytree import tensor_leaves
 from ..._replay.generators import Walk
 
 __all__ = [
     "BoundAtForward",
+    "forward_reads",
     "check_replaced",
     "modes_of",
     "modes_restored",
@@ -98,6 +123,16 @@ class BoundAtForward:
     def capture(cls, fn: Any, walk: Walk) -> BoundAtForward | None:
         """Note what ``walk`` (`walk_of(fn)`) reaches now; None when no tensor (rule 2)."""
         return cls(fn, walk) if walk.tensor_steps or walk.module_steps else None
+
+    def settle(self, reads: set[int]) -> None:
+        """At the forward's end: a binding the forward rebound to a tensor without
+        reading the one it held at the start is checked against the new one (rule 8)."""
+        now_bound = self.walk.read_tensors(self.fn)
+        for i, (then, now) in enumerate(zip(self.tensors, now_bound, strict=True)):
+            if now is then or not isinstance(now, torch.Tensor) or id(then) in reads:
+                continue
+            self.tensors[i] = now
+            self.versions[i] = now._version if not now.is_inference() else -1
 
     def check_modules(self, label: str) -> None:
         """Raise if a submodule the forward reached was replaced since (rule 5)."""
@@ -174,6 +209,14 @@ def replaced_submodule_error(
         "Replace it after backward, or use policy='everything-saveable' for "
         "this region."
     )
+
+
+def forward_reads(bound: BoundAtForward | None) -> ForwardReads | None:
+    """The mode noting what a forward reads, where a binding it rebinds may matter:
+    its walk reaches a tensor, or a module holding buffers (rule 8)."""
+    if bound is None or not (bound.tensors or any(m._buffers for m in bound.modules)):
+        return None
+    return ForwardReads()
 
 
 class _RefuseMoved(TorchFunctionMode):

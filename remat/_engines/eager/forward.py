@@ -16,6 +16,7 @@ from ..._policy.base import Decision
 from ..._replay.modes import RecordMode, detached
 from ..._replay.saved_signatures import saved_signature
 from .argument_nodes import argument_nodes_watched
+from .bindings import forward_reads
 from .outside import OutsideTensors
 from .state import (
     _HOOKS_REFUSED,
@@ -40,6 +41,9 @@ class Frame(OutsideTensors):
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
             if self.log is not None:
                 stack.enter_context(RecordMode(self.log))
+            reads = forward_reads(self.bound)
+            if reads is not None:  # NOTE [ Bindings the recompute reads ] rule 8
+                stack.enter_context(reads)
             stack.enter_context(self.state_guard.guarded())
             stack.enter_context(argument_nodes_watched(self, self.inputs))
             try:
@@ -50,6 +54,8 @@ class Frame(OutsideTensors):
                 failure = error
         if failure is not None:
             raise self.torch_func_inside() from failure
+        if reads is not None and self.bound is not None:
+            self.bound.settle(reads.seen)
         self.versions = [_version(t) for t in self.inputs]
         self.mutated_in_forward = self.versions != start_versions
         self.rng_after = self.rng.now() if self.rng is not None else None

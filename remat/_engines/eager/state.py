@@ -118,7 +118,7 @@ class FrameState:
         self.input_ids = {id(t) for t in self.inputs}
         policy = region.policy
         self.log = (
-            OpLog(log_policy(region, self.inputs, "eager"), region.label)
+            OpLog(log_policy(region, self.inputs, "eager"), region.label, self.inputs)
             if policy.needs_op_trace or region.debug
             else None
         )

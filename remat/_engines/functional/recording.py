@@ -54,9 +54,9 @@ class _SaveAllWhileLatest(Policy):
 def _new_log(region: Region, tensors: Sequence[torch.Tensor]) -> OpLog:
     policy = region.policy
     if not policy.saves_latest_region:
-        return OpLog(log_policy(region, tensors, "functional"), region.label)
+        return OpLog(log_policy(region, tensors, "functional"), region.label, tensors)
     keeper = _SaveAllWhileLatest(policy)
-    log = OpLog(keeper, region.label)
+    log = OpLog(keeper, region.label, tensors)
     keeper.log = weakref.ref(log)
     become_latest(keeper)
     return log

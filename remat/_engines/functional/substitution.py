@@ -115,7 +115,7 @@ class _Substitution(TorchFunctionMode):
         for j, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor):
                 continue
-            if id(leaf) in self.watched:
+            if id(leaf) in self.watched and not ours:  # not the state guard's copies
                 self.used.add(id(leaf))
             new = self.table.get(id(leaf))
             if new is None and is_functorch_wrapped(leaf):
