@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import Engine
 from helpers import OpCounter, RecomputeCounter
-from torch.func import grad, jacrev, vmap
+from torch.func import grad, jacrev, jvp, vmap
 
 import remat
 
@@ -117,3 +117,14 @@ def test_batched_and_differentiated_backwards_keep_their_roots(policy: str) -> N
             lambda f: vmap(jacrev(jacrev(_loss(f)))),
         ):
             torch.testing.assert_close(transform(wrapped)(xs), transform(fn)(xs))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_forward_mode_around_the_backward_keeps_its_roots(policy: str) -> None:
+    """``jvp(grad)``: the backward runs under a forward-mode level, where an empty root
+    would need a ``jvp`` rule of its own (torch raises without ``may_root``'s check)."""
+    x, t = (torch.randn(4, 6, dtype=torch.float64) for _ in range(2))
+    for fn in CASES.values():
+        wrapped = remat.remat(fn, policy=policy)
+        got = jvp(grad(_loss(wrapped)), (x,), (t,))
+        torch.testing.assert_close(got, jvp(grad(_loss(fn)), (x,), (t,)))

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..._compat import VMAP, interpreters
-from .levels import _below_all_levels
+from ..._compat import GRAD, interpreters
+from .levels import _below_all_levels, _forward_ad_active
 
 
 class _Root(torch.autograd.Function):
@@ -46,11 +46,15 @@ class _Root(torch.autograd.Function):
 def may_root(keep_graph: bool) -> bool:
     """Whether a backward's recompute may give its ``vjp`` empty roots (`rooted`).
 
-    Not where the backward itself is differentiated (its graph is kept, rule 4:
-    the roots' backward would be recorded too) and not under a vmap level, where
-    the root's output would need a batching rule: both keep the outputs as roots.
+    Only under reverse levels: not where the backward itself is differentiated
+    (its graph is kept, rule 4: the roots' backward would be recorded too), not
+    under a vmap level (the root would need a batching rule) and not under a
+    forward-mode level (``jvp(grad(f))``, eager ``forward_ad``: it would need a
+    ``jvp`` rule). There the outputs stay the roots.
     """
-    return not keep_graph and all(i.key() != VMAP for i in interpreters())
+    if keep_graph or _forward_ad_active():
+        return False
+    return all(i.key() == GRAD for i in interpreters())
 
 
 def rooted(
