@@ -11,7 +11,10 @@ cotangent through (made below every mode and level: remat's own tensor,
 no op of the region's): the recomputed output itself is freed as soon as nothing
 the graph saved reads it, as in the eager engine. Values are never read from a
 root (only its ``grad_fn`` and metadata are), so nothing changes but when the
-output's storage goes.
+output's storage goes. The price is one custom Function call per output under
+functorch, which builds its per-level Function classes each time: callgrind
+counts about 2.2M instructions per region's backward (the 8-block stack at
+width 16 under ``torch.func.grad``: 189.6M -> 207.5M per step).
 """
 
 from __future__ import annotations
