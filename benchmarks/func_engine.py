@@ -10,12 +10,26 @@ time ratio within 1.05x of the eager engine's.
 
     python benchmarks/func_engine.py --repeats 21
     python benchmarks/func_engine.py --widths 16 --depth 2 --batch 2 --seq 8 --repeats 1
+
+Time on a loaded machine is noise; ``--instructions`` instead counts callgrind
+instructions per step (valgrind, one process, collecting only the measured
+steps) of each engine with and without remat, on a small stack where the fixed
+cost per region shows (default: width 16, seq 8, batch 4):
+
+    python benchmarks/func_engine.py --instructions --widths 16 --seq 8 --batch 4
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import os
+import re
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -103,6 +117,70 @@ def run_width(width: int, depth: int, batch: int, seq: int, heads: int,
     return rows
 
 
+def _steps(width: int, depth: int, batch: int, seq: int, heads: int) -> dict[str, Step]:
+    """Each engine's step without remat and with each policy, by name (``eager none``...)."""
+    torch.manual_seed(0)
+    stack = demo.Stack(depth=depth, width=width, heads=heads)
+    x = demo.make_input(stack, batch=batch, seq=seq)
+    return {
+        f"{engine} {how}": make(stack, x, how)
+        for how in (demo.NO_REMAT, *POLICIES)
+        for engine, make in (("eager", eager_step), ("func", func_step))
+    }
+
+
+def _count_child(args: argparse.Namespace) -> None:
+    """Inside valgrind: two warm steps, then two counted steps, one dump per variant."""
+    for step in _steps(int(args.widths), args.depth, args.batch, args.seq, args.heads).values():
+        step()
+        step()
+        torch._C._valgrind_toggle()
+        step()
+        step()
+        torch._C._valgrind_toggle_and_dump_stats()
+
+
+def instructions(args: argparse.Namespace) -> dict[str, float]:
+    """Instructions per step of each variant (``--instructions``), from one valgrind run."""
+    out_dir = tempfile.mkdtemp(prefix="remat-func-callgrind-")
+    shape = [f"--{k}={getattr(args, k)}" for k in ("widths", "depth", "batch", "seq", "heads")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    try:
+        subprocess.run([
+            "valgrind", "--tool=callgrind", "--collect-atstart=no",
+            f"--callgrind-out-file={out_dir}/cg", sys.executable, __file__,
+            "--count-child", *shape,
+        ], check=True, capture_output=True, env=env)
+        dumps = sorted(glob.glob(f"{out_dir}/cg.*"), key=lambda p: int(p.rsplit(".", 1)[1]))
+        totals = []
+        for path in dumps:
+            with open(path) as f:
+                found = re.search(r"^(?:summary|totals): (\d+)", f.read(), re.M)
+            totals.append(int(found.group(1)) / 2 if found else float("nan"))
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    names = [f"{e} {h}" for h in (demo.NO_REMAT, *POLICIES) for e in ("eager", "func")]
+    return dict(zip(names, totals, strict=True))
+
+
+def instructions_markdown(counts: dict[str, float]) -> str:
+    lines = [
+        "| policy | eager M instr / step | over no remat | torch.func M instr / step "
+        "| over grad no remat | torch.func extra / eager extra |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for how in POLICIES:
+        eager = counts[f"eager {how}"] - counts[f"eager {demo.NO_REMAT}"]
+        func = counts[f"func {how}"] - counts[f"func {demo.NO_REMAT}"]
+        lines.append(
+            f"| {how} | {counts[f'eager {how}'] / 1e6:.1f} | +{eager / 1e6:.1f} | "
+            f"{counts[f'func {how}'] / 1e6:.1f} | +{func / 1e6:.1f} | {func / eager:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         "| width | policy | eager peak MiB | torch.func peak MiB | peak ratio "
@@ -128,8 +206,18 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     for name, default in (("depth", 8), ("batch", 8), ("seq", 128), ("heads", 4),
                           ("repeats", 21), ("threads", 1)):
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--instructions", action="store_true",
+                        help="callgrind instructions per step instead (one width)")
+    parser.add_argument("--count-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.count_child:
+        _count_child(args)
+        return []
+    if args.instructions:
+        counts = instructions(args)
+        print(instructions_markdown(counts))
+        return [counts]
     rows = [
         row
         for width in (int(w) for w in args.widths.split(","))

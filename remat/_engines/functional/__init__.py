@@ -135,10 +135,12 @@ NOTE [ The functional engine ]
    ``retain_graph=False``) frees each region's inputs once it has run, as the
    eager engine does. The backward's ``vjp_fn`` runs once, keeping its graph
    only where the backward is differentiated (rule 4), so the recompute's
-   activations go as its backward consumes them. Once the last backward that
-   can come has run (`Backwards`: at most one per reverse level live at the
-   call, and one for eager autograd, none keeping its graph) the forward's
-   records go too (policy-saved outputs, a ``save_last`` region's everything).
+   activations go as its backward consumes them; under reverse levels only,
+   its roots are empty (``roots.py``), so the recomputed outputs go too unless
+   their own graph saved them. Once the last backward that can come has run
+   (`Backwards`: at most one per reverse level live at the call, and one for
+   eager autograd, none keeping its graph) the forward's records go too
+   (policy-saved outputs, a ``save_last`` region's everything).
    A ``vjp_fn`` keeps its graph and may be called again: it keeps them.
    Parameters passed to ``functional_call`` without ``.detach()`` require grad
    below every level, so eager autograd may differentiate the backward (rule

@@ -49,6 +49,7 @@ from .levels import (
     _recompute_mode,
 )
 from .observed import Observed, observed_outputs
+from .roots import may_root, rooted
 from .tangents import output_tangents
 from .vmap import _VmapRunner, batched_twin
 
@@ -268,6 +269,8 @@ def _recompute_vjp(
     with call.recompute(replay):
         partial = _partial(call, inputs, moving, outputs, observed)
         primal = _noting_reached(partial, moving, reached)
+        if may_root(keep_graph):  # the recomputed outputs go once read (``roots.py``)
+            primal = rooted(primal)
         vjp_fn = torch.func.vjp(primal, *(inputs[i] for i in moving))[1]
     # Called once: the recompute's graph goes as its backward consumes it, unless
     # something differentiates this backward (rule 13).
