@@ -46,6 +46,16 @@ VARIANTS: tuple[tuple[str, str], ...] = (
 
 _CHECKPOINT = "torch checkpoint"
 
+#: Why the default size is what it is (printed under the table).
+SIZE_NOTE = (
+    f"size: width {demo.DEMO_WIDTH}, seq {demo.DEMO_SEQ} by default, where saving the "
+    "matmuls pays on CPU: there torch's selective checkpointing runs faster than its full "
+    "checkpointing, and dots-saveable faster than nothing-saveable. At smaller sizes "
+    "(width 64) a matmul costs less to recompute than the bookkeeping of saving it, in "
+    "torch's selective checkpointing as in remat (benchmarks/width_sweep.py measures "
+    "each width)."
+)
+
 #: Largest gradient difference from no remat that still counts as a match.
 GRAD_TOLERANCE = 1e-5
 
@@ -178,16 +188,17 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     print(format_table(rows))
     print("peak/held: bytes of tensor storages beyond parameters and input, counted exactly.\n"
           "recomputed ops: aten compute ops in backward minus those of no remat's backward.")
+    print(SIZE_NOTE)
     return rows
 
 
 #: (option, default, help) of the command line, in ``--help`` order.
 _OPTIONS: tuple[tuple[str, int, str], ...] = (
     ("depth", 8, "number of transformer blocks in the stack"),
-    ("width", 64, "model width (embedding size) of every block"),
+    ("width", demo.DEMO_WIDTH, "model width (embedding size) of every block"),
     ("heads", 4, "attention heads per block (must divide --width)"),
     ("batch", 4, "sequences per training step"),
-    ("seq", 64, "tokens per sequence"),
+    ("seq", demo.DEMO_SEQ, "tokens per sequence"),
     ("repeats", 7, "timed repetitions per variant, interleaved; times are their medians"),
     ("threads", 1, "torch CPU threads while it runs (1 keeps timings steady on a busy machine)"),
 )

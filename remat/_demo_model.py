@@ -32,11 +32,22 @@ from ._api import checkpoint_name
 from ._api import remat as remat_fn
 from ._policy import ops as _ops
 
-__all__ = ["NO_REMAT", "TORCH_CHECKPOINT", "TORCH_SELECTIVE", "Block", "Stack", "make_input"]
+__all__ = [
+    "DEMO_SEQ", "DEMO_WIDTH", "NO_REMAT", "TORCH_CHECKPOINT", "TORCH_SELECTIVE", "Block", "Stack",
+    "make_input",
+]
 
 NO_REMAT = "none"
 TORCH_CHECKPOINT = "torch-checkpoint"
 TORCH_SELECTIVE = "torch-selective:"
+
+#: The demo's default size (``python -m remat``): width 256, 128 tokens per sequence.
+#: Saving the matmuls pays on CPU only where they cost more than the per-op
+#: bookkeeping of saving them: measured side by side (``benchmarks/width_sweep.py``),
+#: torch's selective checkpointing beats its full checkpointing, and remat's
+#: ``dots-saveable`` its ``nothing-saveable``, from about width 256 at 64 to 128
+#: tokens; at width 64 both run slower than full checkpointing (issue 17).
+DEMO_WIDTH, DEMO_SEQ = 256, 128
 
 #: The op sets a torch selective-checkpointing variant saves, by remat policy name.
 _SELECTIVE_OPS: dict[str, frozenset[Any]] = {

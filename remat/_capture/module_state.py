@@ -61,15 +61,16 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._compat import storage_identity
-from .._state import engine_maps_slots, entered_internally
+from .._compat import is_functorch_wrapped, storage_identity
+from .._state import INTERNAL, engine_maps_slots
 from .cells import closed_over_leaves, closure_cells, holds_plain
+from .entering import InternallyEntered
 from .module_tree import named_subtree
 from .reads import active_reads
 from .restoring import RestoringGuard
@@ -191,19 +192,27 @@ class StateGuard(RestoringGuard):
         """Snapshot (forward) or restore (recompute) the state around the block.
 
         The guard's own tensor reads (versions, ``.grad``) are remat's work, not
-        calls of the region's function (`entered_internally`).
+        calls of the region's function (`InternallyEntered`).
         """
-        return entered_internally(self._guarded())
+        return InternallyEntered(self._guarded())
 
-    @contextlib.contextmanager
-    def _guarded(self) -> Iterator[None]:
+    def _guarded(self) -> Generator[None, None, None]:
         if self.pins is None:  # this call's forward (perhaps inside an outer recompute)
             yield from self._forward()
-        else:
-            self._refuse_unrestorable()
-            with self._pinned(), self._modes_restored(), self._cells_restored(), \
-                    self._grads_kept():
+            return
+        self._refuse_unrestorable()
+        moved = self._pin_back()
+        switched: list[tuple[nn.Module, bool, bool]] = []
+        try:
+            switched = self._switch_modes()
+            if self.cell_start or self.grads_written:
+                with self._cells_restored(), self._grads_kept():
+                    yield from self._swapped()
+            else:  # the usual case: no generator context managers per recompute
                 yield from self._swapped()
+        finally:
+            self._switch_back(switched)
+            self._unpin(moved)
 
     # -- forward -------------------------------------------------------------
 
@@ -245,7 +254,7 @@ class StateGuard(RestoringGuard):
         """Keep what the forward wrote in place (rules 1 and 3); drop the other copies."""
         written: dict[tuple[int, str], Watched] = {}
         for w in self.watched:  # per slot, the first tensor the forward wrote
-            if w.written() and not w.exempt:
+            if w.tensor._version != w.version and not w.exempt:  # (`Watched.written` inline)
                 written.setdefault((id(w.table), w.name), w)
         self.written = list(written.values())
         self.watched = []
@@ -272,12 +281,17 @@ class StateGuard(RestoringGuard):
         tensors now (``functional_call`` inside the region). In the recompute,
         such slots get the copies again (`_reswap`).
         """
+        # Each branch that does tensor work is remat's own (`INTERNAL`); the usual
+        # case, a module seen already with the same slots, reads ids only.
         if self._swaps is not None:
-            self._reswap(module)
+            with INTERNAL:
+                self._reswap(module)
         elif id(module) not in self._pinned_ids:
-            self._pin(type(module).__qualname__, module, recurse=True)
+            with INTERNAL:
+                self._pin(type(module).__qualname__, module, recurse=True)
         elif self._slot_ids.get(id(module)) != _slot_ids(module):  # else nothing new
-            self._watch(type(module).__qualname__, module, is_stateful(module))
+            with INTERNAL:
+                self._watch(type(module).__qualname__, module, is_stateful(module))
 
     def _pin(self, where: str, module: nn.Module, recurse: bool) -> None:
         named = named_subtree(module) if recurse else [("", module)]
@@ -307,9 +321,13 @@ class StateGuard(RestoringGuard):
         self._slot_ids[id(module)] = _slot_ids(module)
         watched = watch_slots(path, module, stateful, self._watch_keys)
         self.watched.extend(watched)
-        for w in watched:
-            if self.grads and w.parameter and has_grad_slot(w.tensor):
-                self.grad_watch.watch(w.tensor)
+        if self.grads:
+            watch = self.grad_watch.watch
+            for w in watched:
+                t = w.tensor
+                # (`has_grad_slot` inline: a call fewer per parameter per region call.)
+                if w.parameter and t.requires_grad and t.is_leaf and not is_functorch_wrapped(t):
+                    watch(t)
 
 
 def _slot_ids(module: nn.Module) -> tuple[Any, ...]:

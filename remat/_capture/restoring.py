@@ -63,17 +63,18 @@ class RestoringGuard:
             for cell, value in before:
                 cell.cell_contents = value
 
-    @contextlib.contextmanager
-    def _modes_restored(self) -> Iterator[None]:
-        """Run the recompute with each module in the mode its forward ran in (rule 4)."""
+    def _switch_modes(self) -> list[tuple[nn.Module, bool, bool]]:
+        """Put each module in the mode its forward ran in (rule 4); returns what
+        `_switch_back` undoes after the recompute."""
         switched = [(m, then, m.training) for m, then in self.modes if m.training != then]
         for module, then, _ in switched:
             module.training = then  # this module only: each submodule has its own entry
-        try:
-            yield
-        finally:
-            for module, _, now in switched:
-                module.training = now
+        return switched
+
+    @staticmethod
+    def _switch_back(switched: list[tuple[nn.Module, bool, bool]]) -> None:
+        for module, _, now in switched:
+            module.training = now
 
     @contextlib.contextmanager
     def _grads_kept(self) -> Iterator[None]:
@@ -97,13 +98,13 @@ class RestoringGuard:
                         grad.copy_(value)  # autograd accumulates in place when it can
                     t.grad = grad
 
-    @contextlib.contextmanager
-    def _pinned(self) -> Iterator[None]:
+    def _pin_back(self) -> list[tuple[Pin, torch.Tensor]]:
+        """Put the forward's tensors back in the slots that hold others now, and check
+        each for in-place changes (rule 1); returns what `_unpin` puts back after."""
         assert self.pins is not None, "this is a bug in remat, please report it"
-        if engine_maps_slots():  # the torch.func engine maps the slots itself
-            yield
-            return
         moved: list[tuple[Pin, torch.Tensor]] = []
+        if engine_maps_slots():  # the torch.func engine maps the slots itself
+            return moved
         try:
             for pin in self.pins:
                 current = pin.table.get(pin.name)
@@ -120,10 +121,15 @@ class RestoringGuard:
                     pin.storage is not None and storage_identity(t) != pin.storage
                 ):
                     self._check(pin)
-            yield
-        finally:
-            for pin, current in reversed(moved):
-                pin.table[pin.name] = current
+        except BaseException:
+            self._unpin(moved)
+            raise
+        return moved
+
+    @staticmethod
+    def _unpin(moved: list[tuple[Pin, torch.Tensor]]) -> None:
+        for pin, current in reversed(moved):
+            pin.table[pin.name] = current
 
     def _check(self, pin: Pin) -> None:
         t = pin.tensor

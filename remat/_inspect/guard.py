@@ -37,6 +37,7 @@ from torch import nn
 from .._capture.watching import watching
 from .._compat import no_dispatch_modes
 from .._replay.rng import RngState, generators_of
+from .._state import INTERNAL
 
 __all__ = ["check_keywords", "preserved_state"]
 
@@ -113,7 +114,7 @@ class _BufferSnapshots:
         if id(module) in self.seen:
             return
         self.seen.add(id(module))
-        with no_dispatch_modes(), torch.no_grad():
+        with INTERNAL, no_dispatch_modes(), torch.no_grad():  # remat's work (`watching`)
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     self.copies.append((module._buffers, name, buffer, buffer.clone()))

@@ -86,6 +86,22 @@ def _packet(op: Any) -> Any:
     return getattr(op, "overloadpacket", None)
 
 
+#: id(op) -> (op, `is_dot`, `is_dot_without_batch_dims`). A packet hashes in Python
+#: and the dots policies ask about every op they record: once per op object (held
+#: here, so its id is not reused). Bounded, as ops made per call could be.
+_DOTS: dict[int, tuple[Any, bool, bool]] = {}
+
+
+def _dots(op: Any) -> tuple[Any, bool, bool]:
+    found = _DOTS.get(id(op))
+    if found is None or found[0] is not op:
+        if len(_DOTS) >= 4096:
+            _DOTS.clear()
+        packet = _packet(op)
+        found = _DOTS[id(op)] = (op, packet in DOT_OPS, packet in DOT_NO_BATCH_OPS)
+    return found
+
+
 def is_dot(op: Any) -> bool:
     """Return whether ``op`` is a matmul, convolution or attention kernel.
 
@@ -98,7 +114,7 @@ def is_dot(op: Any) -> bool:
     >>> is_dot(torch.ops.aten.bmm.default), is_dot(torch.ops.aten.relu.default)
     (True, False)
     """
-    return _packet(op) in DOT_OPS
+    return _dots(op)[1]
 
 
 def is_dot_without_batch_dims(op: Any) -> bool:
@@ -115,7 +131,7 @@ def is_dot_without_batch_dims(op: Any) -> bool:
     >>> is_dot_without_batch_dims(torch.ops.aten.bmm.default)
     False
     """
-    return _packet(op) in DOT_NO_BATCH_OPS
+    return _dots(op)[2]
 
 
 def is_random(op: Any) -> bool:

@@ -89,6 +89,9 @@ _FRESH = frozenset(
     if hasattr(torch.ops.aten, name)
 )
 
+#: Their ids: an ``OpOverload`` hashes in Python (the ops live as long as torch.ops).
+_FRESH_IDS = frozenset(map(id, _FRESH))
+
 #: More readings than this of one recompute: raise rather than follow them all.
 MAX_READINGS = 64
 
@@ -104,11 +107,18 @@ def kinds(
     for start, end, _ in regions:
         inside[start:end] = [True] * (end - start)
     constant = [False] * count
-    for i, rec in enumerate(records):
-        constant[i] = not rec.effectful and not inside[i] and (
-            rec.op in _FRESH
-            or (not rec.reads_outside and all(constant[p] for p in rec.inputs))
-        )
+    fresh = _FRESH_IDS
+    for i, rec in enumerate(records):  # (loops, not all(): a hot path, once per forward)
+        if rec.effectful or inside[i]:
+            continue
+        if id(rec.op) in fresh:
+            constant[i] = True
+        elif not rec.reads_outside:
+            for p in rec.inputs:
+                if not constant[p]:
+                    break
+            else:
+                constant[i] = True
     found = [NEEDED] * count
     read = [False] * count
     read_by_needed = [False] * count

@@ -75,12 +75,14 @@ from .._pytree import tensor_leaves
 from .alignment import kinds as find_kinds
 from .checks import arg_shapes
 from .record import OpRecord, detached_alias
-from .tags import OpTag, set_tag, tag_inner, tag_of
+from .tags import TAG, OpTag, tag_inner, tag_of
 from .traits import Traits, draws_random, flat_tensors, fsdp_inside, scan_args, traits, written_by
 
 __all__ = ["OpLog", "OpRecord", "detached_alias"]
 
 _serials = itertools.count(1)
+
+_new_tuple = tuple.__new__
 
 
 class OpLog:
@@ -120,11 +122,15 @@ class OpLog:
         # An op run under ``torch.inference_mode()`` inside the region makes
         # inference tensors: constants with no version counter, which autograd
         # never saves. They are not kept (NOTE rule 4): the recompute makes them again.
-        effectful = (
-            op_traits.writes
-            or draws_random(op_traits, args, kwargs)
-            or any(t.is_inference() for t in outputs)
+        # (Loops and tests inline, not any() and calls: every recorded op passes here.)
+        effectful = op_traits.writes or (
+            op_traits.random and draws_random(op_traits, args, kwargs)
         )
+        if not effectful:
+            for t in outputs:
+                if t.is_inference():
+                    effectful = True
+                    break
         if effectful:
             verdict: Hashable = None
             decision = Decision.RECOMPUTE
@@ -138,7 +144,11 @@ class OpLog:
             args, kwargs, self.serial, self.input_ids
         )
         rec.effectful = effectful
-        rec.metas = tuple([(t.shape, t.stride(), t.dtype) for t in outputs])
+        if len(outputs) == 1:
+            only = outputs[0]
+            rec.metas = ((only.shape, only.stride(), only.dtype),)
+        else:
+            rec.metas = tuple([(t.shape, t.stride(), t.dtype) for t in outputs])
         rec.always_live = effectful or op_traits.reads_data
         if self.policy.plans_from_log or (
             not effectful and (decision is not Decision.RECOMPUTE or self.policy.uses_names)
@@ -152,11 +162,16 @@ class OpLog:
             decision is Decision.RECOMPUTE and len(outputs) > 1
             and self.policy.uses_names and not effectful
         )
+        keeps = decision is not Decision.RECOMPUTE or rec.tentative
         for position, tensor in enumerate(outputs):
-            tag = OpTag(self.serial, index, position)
-            set_tag(tensor, tag)
-            tag_inner(tensor, tag)
-            if decision is not Decision.RECOMPUTE or rec.tentative:
+            # (A hot path: ``tuple.__new__`` is the NamedTuple's own constructor without
+            # its Python-level ``__new__``; `set_tag` inline; `tag_inner` only for
+            # wrapper subclasses, where it does anything.)
+            tag = _new_tuple(OpTag, (self.serial, index, position))
+            setattr(tensor, TAG, tag)
+            if type(tensor) is not torch.Tensor:
+                tag_inner(tensor, tag)
+            if keeps:
                 self._keep(rec, position, tensor)
 
     def _views_dropped(self, args: tuple[Any, ...]) -> bool:

@@ -79,14 +79,19 @@ class Traits:
     fsdp: bool
 
 
-_TRAITS: dict[Any, Traits] = {}
+#: id(op) -> (op, its traits). Keyed by id: an ``OpOverload`` hashes in Python (a
+#: call per lookup, on every recorded and replayed op). The entry holds the op, so
+#: its id is not reused while the entry lives; the identity check says so anyway.
+_TRAITS: dict[int, tuple[Any, Traits]] = {}
 
 
 def traits(op: Any) -> Traits:
-    found = _TRAITS.get(op)
-    if found is None:
-        found = _TRAITS[op] = _compute_traits(op)
-    return found
+    found = _TRAITS.get(id(op))
+    if found is not None and found[0] is op:
+        return found[1]
+    computed = _compute_traits(op)
+    _TRAITS[id(op)] = (op, computed)
+    return computed
 
 
 def _compute_traits(op: Any) -> Traits:

@@ -111,7 +111,8 @@ class Frame(OutsideTensors):
         self.holders.append(weakref.ref(holder))
         if not self.inner_backward and current_autograd_node() is not None:
             self.inner_backward = True
-        self.note_leaf(t)
+        if t._base is not None:  # (tested here: a call per saved tensor saved)
+            self.note_leaf(t)
         if self.check:
             self.metas.append(saved_signature(t, id(t) in self.input_ids))
         if self.log is not None:
@@ -163,7 +164,7 @@ class Frame(OutsideTensors):
             # instead of a recompute from the new values. Finding out walks all the
             # function reaches: for a tensor that is no view, only at the end of the
             # forward, and only if Python still references it then (`settle_unsure`).
-            if self.maybe_outside(t):
+            if t.grad_fn is None and self.maybe_outside(t):  # (a call fewer per saved tensor)
                 if t._base is None:
                     self.note_unsure(t, holder)
                 elif (where := self.closed_over(t)) is not None:
