@@ -300,8 +300,10 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 
 def _library_dirs() -> tuple[str, ...]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    dirs = [os.path.dirname(torch.__file__), os.path.dirname(optree.__file__), here]
+    # All of remat, not only inspection: a mode of another layer (the binding check's
+    # `ForwardReads`) may sit between the user's line and the op.
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dirs = [os.path.dirname(torch.__file__), os.path.dirname(optree.__file__), package]
     dirs.append(sysconfig.get_paths()["stdlib"])
     return tuple(os.path.join(d, "") for d in dirs)
 
