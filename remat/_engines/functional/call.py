@@ -34,6 +34,7 @@ from ..recompute import recompute_context
 from ..region import Region
 from ..save_last import become_latest
 from .arguments import Arguments, _argument_objects, _outer_views
+from .autocast_inside import AutocastInside
 from .constants import constant_outputs
 from .differentiated import run_as_differentiated
 from .guard import _Births, _HiddenInputGuard, unsubstituted_error
@@ -241,7 +242,7 @@ class _Call:
         self.guard = _HiddenInputGuard(self, tensors)
         try:
             policy = self.region.policy
-            with _Births(self.guard), self.watch(tensors):
+            with _Births(self.guard), self.watch(tensors), self.autocast_watch():
                 # Without the determinism check a demoted held region's recompute
                 # would run unchecked: record, so that the replay checks its shapes.
                 if self.region.determinism_check and may_hold(policy, self):
@@ -249,7 +250,10 @@ class _Call:
                     become_latest(self.held)
                     out = run_as_differentiated(self, tensors, self.held)
                 elif not policy.needs_op_trace and not policy.saves_latest_region:
-                    out = self.run(tensors)
+                    # Under autocast torch.func's levels cast otherwise than plain
+                    # autograd: the forward runs as the backward's ``vjp`` will.
+                    plain = not self.autocast.enabled
+                    out = self.run(tensors) if plain else self.run_as_differentiated(tensors)
                 else:
                     self.log = _new_log(self.region, tensors)
                     with RecordMode(self.log):
@@ -274,6 +278,12 @@ class _Call:
         # autograd.Function refuses to save an input it also returns as-is: return a view.
         given = {id(t) for t in tensors}
         return (*(t.view_as(t) if id(t) in given else t for t in out), *escaped)
+
+    def autocast_watch(self) -> contextlib.AbstractContextManager[Any]:
+        """Eager autograd only: refuse autocast entered inside ``fn``."""
+        if self.transforms or self.batched:
+            return contextlib.nullcontext()
+        return AutocastInside(self.region.label)
 
     def watch(self, tensors: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
         """Note what ``fn`` may let out besides its outputs, when a backward will come."""
