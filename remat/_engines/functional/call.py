@@ -27,6 +27,7 @@ from ..._replay.generators import Walk, walk_of
 from ..._replay.modes import RecordMode, ReplayMode
 from ..._replay.records import OpLog
 from ..._replay.rng import RngState, generators_of, vmap_levels
+from ..._state import internal
 from ..budget_plans import settle
 from ..escapes import EscapeWatch
 from ..offloaded import OffloadedOutputs
@@ -272,9 +273,13 @@ class _Call:
         if self.log is not None and self.differentiable:
             # Region inputs, parameters (inputs here) and outputs are alive anyway.
             alive = (*tensors, *out, *escaped)
-            offload_at_forward_end(self.log, self.offloaded, self.region, alive)
+            # remat's own reads (storage addresses): inside an outer region's forward,
+            # not calls of its function (the outer guard's hidden-input check skips them).
+            with internal():
+                offload_at_forward_end(self.log, self.offloaded, self.region, alive)
         if not self.transforms and not self.batched:  # eager autograd (``views.py``)
-            self.views = OutputViews(out)
+            with internal():  # remat's reads of the outputs' bases, as above
+                self.views = OutputViews(out)
         # autograd.Function refuses to save an input it also returns as-is: return a view.
         given = {id(t) for t in tensors}
         return (*(t.view_as(t) if id(t) in given else t for t in out), *escaped)

@@ -175,7 +175,9 @@ class _HiddenInputGuard:
                     self.live = {i.level() for i in interpreters()}
                 if level in self.live:
                     return
-        elif not t.requires_grad:
+        elif not t.requires_grad or id(t) in self.born:
+            # (Born here: an inner region's output, recorded by eager autograd in its
+            # ``vjp``, requires grad; a hidden input existed before the forward.)
             return
         name = getattr(func, "__name__", str(func))
         raise RematError(
