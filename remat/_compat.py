@@ -101,6 +101,10 @@ GRAD = _functorch.TransformType.Grad
 JVP = _functorch.TransformType.Jvp
 VMAP = _functorch.TransformType.Vmap
 
+#: ``aten._to_copy``, the op ``Tensor.to(dtype)`` runs (autocast's casts, NOTE [ Autocast's
+#: cast cache ] in ``_replay/cast_cache.py``): aten has no public name for it (2.13).
+TO_COPY = torch.ops.aten._to_copy.default
+
 
 # -- the functorch interpreter stack and its levels ---------------------------
 

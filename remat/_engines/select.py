@@ -16,6 +16,13 @@ NOTE [ Engine selection ]
    function known to run one itself, is `EngineKind.FUNCTIONAL`; else `EngineKind.EAGER`
    (and ``"auto"`` moves a call to the torch.func engine when the eager engine
    finds a transform inside, ``_api._run_on_engine``).
+4. ``"functional"`` under autocast and no torch.func transform runs the eager
+   engine: autograd there casts a parameter once per autocast block (the cast
+   cache) and runs a composite op's inner ops (attention's) outside autocast,
+   where torch.func's levels cast each use and every inner op again, so no
+   torch.func program gives autograd's gradients bit for bit
+   (NOTE [ Autocast's cast cache ] in ``_replay/cast_cache.py``). Under a transform
+   the torch.func engine is right: it is what runs without remat there.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch
 from .._compat import transform_active
 from .._compile import uncompiled
 from .._errors import RematError
+from .._replay.autocast import autocast_on
 from .lowered import lowers, run_lowered
 from .region import Region
 
@@ -86,6 +94,8 @@ def engine_for(region: Region, uses_torch_func: bool) -> EngineKind:
         )
     if region.policy.recomputes_nothing:
         return EngineKind.PLAIN
+    if region.engine == "functional" and not (transform or uses_torch_func) and autocast_on():
+        return EngineKind.EAGER  # rule 4
     if region.engine == "functional" or (
         region.engine == "auto" and (transform or uses_torch_func)
     ):

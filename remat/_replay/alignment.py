@@ -68,11 +68,12 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from .cast_cache import CastKey, cacheable, cast_key, cast_source
 from .checks import arg_shapes
 from .record import OpRecord
 from .tags import TAG
@@ -100,8 +101,13 @@ def kinds(
     records: Sequence[OpRecord],
     regions: Sequence[tuple[int, int, tuple[int, ...]]],
     sinks: set[int],
+    casts: Collection[int] = (),
 ) -> list[int]:
-    """``NEEDED``, ``FORWARD_ONLY`` or ``CONSTANT`` for each record (NOTE rule 1)."""
+    """``NEEDED``, ``FORWARD_ONLY`` or ``CONSTANT`` for each record (NOTE rule 1).
+
+    ``casts``: records that are casts autocast's cache may hold, skippable as
+    constants are (NOTE [ Autocast's cast cache ] in ``_replay/cast_cache.py``).
+    """
     count = len(records)
     inside = [False] * count
     for start, end, _ in regions:
@@ -130,7 +136,7 @@ def kinds(
                     found[i] = FORWARD_ONLY
             elif read[i] and not read_by_needed[i]:
                 found[i] = FORWARD_ONLY
-        if found[i] == NEEDED and constant[i]:
+        if found[i] == NEEDED and (constant[i] or i in casts):
             found[i] = CONSTANT
         for producer in rec.inputs:
             read[producer] = True
@@ -160,9 +166,19 @@ class Alignment:
     """
 
     def __init__(
-        self, records: Sequence[OpRecord], kinds_: list[int], serial: int, at: int
+        self,
+        records: Sequence[OpRecord],
+        kinds_: list[int],
+        serial: int,
+        at: int,
+        casts: Mapping[int, CastKey] | None = None,
+        cached: Collection[int] = (),
     ) -> None:
         self.records = records
+        #: The forward's casts to the lower precision: what each read (`OpLog.casts`).
+        self.casts = casts or {}
+        #: Those of them autocast's cache may hold (`OpLog.cacheable`).
+        self.cached = cached
         self.kinds = kinds_
         self.serial = serial
         self.check = True
@@ -179,6 +195,7 @@ class Alignment:
         self.why = None
         tensors = _tensor_args(args, kwargs)
         shapes = arg_shapes(args, kwargs)
+        source = cast_source(func, args, kwargs) if self.casts else None
         proposals: list[tuple[_Reading, int]] = []
         ended: list[tuple[_Reading, int]] = []
         for reading in self.readings:
@@ -187,7 +204,11 @@ class Alignment:
                 rec = self.records[j]
                 kind = self.kinds[j]
                 if rec.op == func and (scalars is None or rec.scalars == scalars):
-                    why = self._fits(reading, skipped, j, tensors) or self._shaped(rec, shapes)
+                    why = (
+                        self._same_cast(j, source)
+                        or self._fits(reading, skipped, j, tensors)
+                        or self._shaped(rec, shapes)
+                    )
                     if why is None:
                         proposals.append((_Reading(j + 1, skipped, reading.forward_only), j))
                     elif kind == NEEDED:
@@ -252,6 +273,18 @@ class Alignment:
         if ref is None or ref() is not t:
             return False
         return reading is None or id(t) in reading.forward_only
+
+    def _same_cast(self, j: int, source: torch.Tensor | None) -> str | None:
+        """Why record ``j`` is not the cast of ``source`` (NOTE [ Autocast's cast cache ])."""
+        # Only a parameter's cast (either side) is matched by what it reads: an
+        # intermediate's cast reads recomputed memory.
+        mine = source is not None and cacheable(source)
+        if j not in self.cached and not mine:
+            return None
+        cast = self.casts.get(j)
+        if cast is None or source is None or cast_key(source) != cast:
+            return "it casts another tensor than the forward's op did"
+        return None
 
     @staticmethod
     def _shaped(rec: OpRecord, shapes: tuple[Any, ...]) -> str | None:

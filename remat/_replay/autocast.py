@@ -8,9 +8,14 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["AutocastState"]
+__all__ = ["AutocastState", "autocast_on"]
 
 _DEVICE_TYPES = ("cpu", "cuda")
+
+
+def autocast_on() -> bool:
+    """Whether autocast is on for any device type (``cpu``, ``cuda``)."""
+    return any(torch.is_autocast_enabled(device) for device in _DEVICE_TYPES)
 
 
 @dataclasses.dataclass(frozen=True)

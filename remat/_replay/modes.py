@@ -16,6 +16,7 @@ from .._compile import UncompiledMode
 from .._errors import NondeterministicRecomputeError
 from .._state import local
 from .alignment import NEEDED, Alignment, Mismatch
+from .cast_cache import cacheable, cast_source, casts_of
 from .checks import CURES, arg_shapes, divergence
 from .record import OpRecord
 from .records import OpLog, detached_alias
@@ -29,6 +30,7 @@ __all__ = ["RecordMode", "ReplayMode", "detached", "side_by_side"]
 # saved-tensor hooks, at points that differ between forward and recompute; a
 # detached tensor carries its source's tag so the policy still applies to it.
 _DETACH = torch.ops.aten.detach.default
+_TO_COPY = _compat.TO_COPY
 
 
 class RecordMode(UncompiledMode):
@@ -108,6 +110,10 @@ class ReplayMode(UncompiledMode):
             if self.alignment is not None:
                 self.alignment.detached(args[0], out)
             return out
+        if func is _TO_COPY:
+            source = cast_source(func, args, kwargs)
+            if source is not None and cacheable(source):
+                return self._cast(func, args, kwargs, source)
         if self.alignment is None:
             # The fast path: the forward's next op, which the recompute must run.
             index = self.index
@@ -131,9 +137,26 @@ class ReplayMode(UncompiledMode):
             self._start_aligning()
         return self._aligned(func, args, kwargs)
 
+    def _cast(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], source: torch.Tensor
+    ) -> Any:
+        """A cast autocast's cache may hold: run unmatched where the forward found it
+        cached, else matched to the forward's cast of ``source`` (NOTE [ Autocast's cast
+        cache ] rule 2 in ``_replay/cast_cache.py``)."""
+        if not casts_of(self.log.casts, source):
+            if self._ran is not None:
+                self._ran.append(func)
+            return func(*args, **kwargs)
+        if self.alignment is None:
+            self._start_aligning()
+        return self._aligned(func, args, kwargs)
+
     def _start_aligning(self) -> None:
         # NOTE [ Ops the recompute may skip ] in ``_replay/alignment.py``.
-        self.alignment = Alignment(self.log.records, self.kinds, self.log.serial, self.index)
+        self.alignment = Alignment(
+            self.log.records, self.kinds, self.log.serial, self.index, self.log.casts,
+            self.log.cacheable,
+        )
         self.alignment.check = self.check
         if self._ran is None:
             self._ran = [rec.op for rec in self.log.records[: self.index]]

@@ -73,6 +73,7 @@ from .. import _compat
 from .._policy.base import Decision, Policy
 from .._pytree import tensor_leaves
 from .alignment import kinds as find_kinds
+from .cast_cache import CastKey, cacheable, cast_key, cast_source
 from .checks import arg_shapes
 from .record import OpRecord, detached_alias
 from .tags import TAG, OpTag, tag_inner, tag_of
@@ -108,6 +109,10 @@ class OpLog:
         #: Records whose outputs leave the region (its outputs, escaped tensors): never
         #: forward-only (NOTE [ Ops the recompute may skip ] in ``_replay/alignment.py``).
         self.sinks: set[int] = set()
+        #: Casts to the lower precision, by record: the memory each cast; and those
+        #: autocast's cache may hold (NOTE [ Autocast's cast cache ] in ``_replay/cast_cache.py``).
+        self.casts: dict[int, CastKey] = {}
+        self.cacheable: set[int] = set()
         #: `kinds` of the records, and how many records there were when they were found.
         self._kinds: tuple[int, list[int]] | None = None
 
@@ -144,6 +149,12 @@ class OpLog:
             args, kwargs, self.serial, self.input_ids
         )
         rec.effectful = effectful
+        if op is _compat.TO_COPY:  # NOTE [ Autocast's cast cache ]
+            source = cast_source(op, args, kwargs)
+            if source is not None:
+                self.casts[index] = cast_key(source)
+                if cacheable(source):
+                    self.cacheable.add(index)
         if len(outputs) == 1:
             only = outputs[0]
             rec.metas = ((only.shape, only.stride(), only.dtype),)
@@ -279,7 +290,7 @@ class OpLog:
         """What a recompute may do with each record (`alignment.kinds`), found once per log."""
         cached = self._kinds
         if cached is None or cached[0] != len(self.records):
-            found = find_kinds(self.records, self.regions, self.sinks)
+            found = find_kinds(self.records, self.regions, self.sinks, self.cacheable)
             cached = self._kinds = (len(self.records), found)
         return cached[1]
 

@@ -27,6 +27,7 @@ from ..._replay.generators import Walk, walk_of
 from ..._replay.modes import RecordMode, ReplayMode
 from ..._replay.records import OpLog
 from ..._replay.rng import RngState, generators_of, vmap_levels
+from ..._state import internal
 from ..budget_plans import settle
 from ..escapes import EscapeWatch
 from ..offloaded import OffloadedOutputs
@@ -34,6 +35,7 @@ from ..recompute import recompute_context
 from ..region import Region
 from ..save_last import become_latest
 from .arguments import Arguments, _argument_objects, _outer_views
+from .autocast_inside import AutocastInside
 from .constants import constant_outputs
 from .differentiated import run_as_differentiated
 from .guard import _Births, _HiddenInputGuard, unsubstituted_error
@@ -241,7 +243,7 @@ class _Call:
         self.guard = _HiddenInputGuard(self, tensors)
         try:
             policy = self.region.policy
-            with _Births(self.guard), self.watch(tensors):
+            with _Births(self.guard), self.watch(tensors), self.autocast_watch():
                 # Without the determinism check a demoted held region's recompute
                 # would run unchecked: record, so that the replay checks its shapes.
                 if self.region.determinism_check and may_hold(policy, self):
@@ -249,7 +251,10 @@ class _Call:
                     become_latest(self.held)
                     out = run_as_differentiated(self, tensors, self.held)
                 elif not policy.needs_op_trace and not policy.saves_latest_region:
-                    out = self.run(tensors)
+                    # Under autocast torch.func's levels cast otherwise than plain
+                    # autograd: the forward runs as the backward's ``vjp`` will.
+                    plain = not self.autocast.enabled
+                    out = self.run(tensors) if plain else self.run_as_differentiated(tensors)
                 else:
                     self.log = _new_log(self.region, tensors)
                     with RecordMode(self.log):
@@ -268,12 +273,22 @@ class _Call:
         if self.log is not None and self.differentiable:
             # Region inputs, parameters (inputs here) and outputs are alive anyway.
             alive = (*tensors, *out, *escaped)
-            offload_at_forward_end(self.log, self.offloaded, self.region, alive)
+            # remat's own reads (storage addresses): inside an outer region's forward,
+            # not calls of its function (the outer guard's hidden-input check skips them).
+            with internal():
+                offload_at_forward_end(self.log, self.offloaded, self.region, alive)
         if not self.transforms and not self.batched:  # eager autograd (``views.py``)
-            self.views = OutputViews(out)
+            with internal():  # remat's reads of the outputs' bases, as above
+                self.views = OutputViews(out)
         # autograd.Function refuses to save an input it also returns as-is: return a view.
         given = {id(t) for t in tensors}
         return (*(t.view_as(t) if id(t) in given else t for t in out), *escaped)
+
+    def autocast_watch(self) -> contextlib.AbstractContextManager[Any]:
+        """Eager autograd only: refuse autocast entered inside ``fn``."""
+        if self.transforms or self.batched:
+            return contextlib.nullcontext()
+        return AutocastInside(self.region.label)
 
     def watch(self, tensors: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
         """Note what ``fn`` may let out besides its outputs, when a backward will come."""

@@ -41,6 +41,7 @@ from ..._replay.rng import check_batched_recompute
 from ..escapes import EscapeWatch
 from ..torch_func_refusal import torch_func_refusal
 from .call import _Call
+from .formulas import differ_by_grad_mode
 from .levels import (
     _backward_is_differentiated,
     _differentiable,
@@ -102,13 +103,16 @@ def _backward(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.T
         return (None,) * (len(inputs) + 1)
     check_batched_recompute(call.rng, call.rng_after, call.vmap_levels, call.region.label)
     keep_graph = _backward_is_differentiated(inputs, grads)
+    # The backward formulas of some ops (silu's) differ by grad mode: run them as the
+    # caller's backward does (``torch.func.grad``'s under grad mode), graph or none.
+    formulas = torch.is_grad_enabled()
     # A level that has exited (a vjp_fn called after its vjp returned) left dead
     # wrappers; unwrap them as functorch does for saved values of aten ops.
     inputs = tuple(unwrap_if_dead(t) for t in inputs)
     replay = not _forward_ad_active()
     found: Sequence[torch.Tensor | None] | None = None
     if replay and not keep_graph:
-        found = _from_held_graph(call, inputs, wanted, grads)
+        found = _from_held_graph(call, inputs, wanted, grads, formulas)
     if found is None:
         restored = call.offloaded.restore() if replay else []
         observed = _observed(ctx, call, grads)
@@ -117,7 +121,8 @@ def _backward(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.T
             mode, recomputed_from = _recompute_mode(inputs, keep_graph)
             with mode:
                 found = _recompute_or_rerun(
-                    call, recomputed_from, wanted, grads, (replay, rerun), keep_graph, observed
+                    call, recomputed_from, wanted, grads, (replay, rerun),
+                    (keep_graph, formulas), observed,
                 )
         finally:
             if replay:
@@ -142,6 +147,7 @@ def _from_held_graph(
     inputs: tuple[torch.Tensor, ...],
     wanted: list[int],
     grads: tuple[torch.Tensor | None, ...],
+    formulas: bool,
 ) -> tuple[torch.Tensor | None, ...] | None:
     """The latest ``save-last`` region's gradients from its held forward graph (``held.py``),
     or None: recompute."""
@@ -152,7 +158,7 @@ def _from_held_graph(
     call.bindings.check_versions(call.region.label)
     retain = not call.backwards.last(inputs)
     with torch.no_grad():
-        return held.backward(grads, call.differentiated, wanted, retain)
+        return held.backward(grads, call.differentiated, wanted, retain, formulas)
 
 
 def _vmap_rule(
@@ -225,7 +231,7 @@ def _recompute_or_rerun(
     wanted: list[int],
     grads: tuple[torch.Tensor | None, ...],
     replay_rerun: tuple[bool, bool],
-    keep_graph: bool,
+    graphs: tuple[bool, bool],
     observed: Observed | None,
 ) -> tuple[torch.Tensor | None, ...]:
     """`_recompute_vjp`; in full where other levels record it than the forward and
@@ -233,14 +239,14 @@ def _recompute_or_rerun(
     replay, rerun = replay_rerun
     try:
         try:
-            return _recompute_vjp(call, inputs, wanted, grads, replay, keep_graph, observed)
+            return _recompute_vjp(call, inputs, wanted, grads, replay, graphs, observed)
         except NondeterministicRecomputeError:
             # A rerun in full is checked by the forward's torch-call trace only; with
             # ``determinism_check=False`` there is none, and a recompute that really
             # differs would give the gradient of a forward that never ran.
             if not rerun or not call.trace.enabled:
                 raise
-        return _recompute_vjp(call, inputs, wanted, grads, False, keep_graph, observed)
+        return _recompute_vjp(call, inputs, wanted, grads, False, graphs, observed)
     except RuntimeError as error:  # what torch.func refuses, said with the region and a fix
         refusal = torch_func_refusal(
             call.region.label, error, bool(call.transforms), backward=True
@@ -255,9 +261,12 @@ def _recompute_vjp(
     wanted: list[int],
     grads: tuple[torch.Tensor | None, ...],
     replay: bool,
-    keep_graph: bool,
+    graphs: tuple[bool, bool],
     observed: Observed | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
+    """``graphs``: whether to keep the recompute's graph (rule 4), and the grad mode the
+    caller's backward runs its formulas under (``formulas``, `_backward`)."""
+    keep_graph, formulas = graphs
     outputs = [i for i, g in enumerate(grads) if g is not None and _is_float(call, i)]
     if not outputs:
         return (None,) * len(wanted)
@@ -266,30 +275,45 @@ def _recompute_vjp(
     moving = sorted(set(wanted) | set(call.differentiated))
 
     reached: set[int] = set()
+    # The formulas as the caller's backward has them (``formulas.py``): a graph only
+    # where one differs by grad mode, else none and the eager engine's peak.
+    create = [formulas and keep_graph]
     with call.recompute(replay):
         partial = _partial(call, inputs, moving, outputs, observed)
-        primal = _noting_reached(partial, moving, reached)
+        primal = _noting_reached(partial, moving, reached, None if create[0] or not formulas
+                                 else create)
         if may_root(keep_graph):  # the recomputed outputs go once read (``roots.py``)
             primal = rooted(primal)
         vjp_fn = torch.func.vjp(primal, *(inputs[i] for i in moving))[1]
     # Called once: the recompute's graph goes as its backward consumes it, unless
     # something differentiates this backward (rule 13).
     cotangents = tuple(grads[i] for i in outputs)
-    found: tuple[torch.Tensor, ...] = vjp_fn(cotangents, retain_graph=keep_graph)
+    found: tuple[torch.Tensor, ...] = vjp_fn(
+        cotangents, retain_graph=keep_graph, create_graph=create[0]
+    )
+    if create[0] and not keep_graph:  # a graph for the formulas only: it goes now
+        found = tuple(t.detach() for t in found)
     # ``vjp`` gives zeros for an input no gradient reached; autograd gives None
     # (NOTE [ What the backward gives back ] rule 1).
     return tuple(found[moving.index(i)] if i in reached else None for i in wanted)
 
 
 def _noting_reached(
-    primal: Callable[..., tuple[torch.Tensor, ...]], moving: Sequence[int], reached: set[int]
+    primal: Callable[..., tuple[torch.Tensor, ...]],
+    moving: Sequence[int],
+    reached: set[int],
+    formulas: list[bool] | None = None,
 ) -> Callable[..., tuple[torch.Tensor, ...]]:
-    """``primal``, noting in ``reached`` each input at ``moving`` a gradient reaches."""
+    """``primal``, noting in ``reached`` each input at ``moving`` a gradient reaches, and
+    in ``formulas`` whether its graph has a formula that reads grad mode (``formulas.py``)."""
 
     def noted(*moved: torch.Tensor) -> tuple[torch.Tensor, ...]:
         for i, t in zip(moving, moved, strict=True):
             t.register_hook(functools.partial(_reach, reached, i))
-        return primal(*moved)
+        out = primal(*moved)
+        if formulas is not None:
+            formulas[0] = differ_by_grad_mode(t.grad_fn for t in out)
+        return out
 
     return noted
 

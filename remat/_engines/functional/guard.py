@@ -21,6 +21,7 @@ from ..._compat import (
 from ..._compile import UncompiledMode
 from ..._errors import RematError
 from ..._replay.checks import OpTrace
+from ..._state import local
 from ..autograd_inside import differentiated_by, feeds, outside_grad_error
 from ..escapes import EscapeWatch
 from ..region import Region
@@ -93,9 +94,12 @@ class _HiddenInputGuard:
         escapes (NOTE [ Escaped tensors ]).
         """
         recording = self.call.trace.offer(func, args, kwargs)
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor) and id(leaf) not in self.known:
-                self.check(leaf, func)
+        # remat's own reads (the state guard's versions of the slots a module reads,
+        # which under the vmap rule hold the caller's batched tensors) are no use by ``fn``.
+        if not local.internal_depth:
+            for leaf in leaves:
+                if isinstance(leaf, torch.Tensor) and id(leaf) not in self.known:
+                    self.check(leaf, func)
         if is_backward_call(func):
             raise backward_inside(self.call.region.label, bool(self.call.outer_levels))
         targets = differentiated_by(func, args, kwargs)
@@ -171,7 +175,9 @@ class _HiddenInputGuard:
                     self.live = {i.level() for i in interpreters()}
                 if level in self.live:
                     return
-        elif not t.requires_grad:
+        elif not t.requires_grad or id(t) in self.born:
+            # (Born here: an inner region's output, recorded by eager autograd in its
+            # ``vjp``, requires grad; a hidden input existed before the forward.)
             return
         name = getattr(func, "__name__", str(func))
         raise RematError(

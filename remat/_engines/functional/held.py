@@ -23,6 +23,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from ..._compat import GRAD, physical
 from ..._policy.base import Policy
 from ..._state import is_recomputing, local
+from .formulas import differ_by_grad_mode
 from .levels import _forward_ad_active
 
 
@@ -93,9 +94,12 @@ class HeldGraph:
         differentiated: Sequence[int],
         wanted: Sequence[int],
         retain: bool,
+        formulas: bool = False,
     ) -> tuple[torch.Tensor | None, ...] | None:
         """The gradients of the ``wanted`` inputs from the held graph (None where nothing
-        flows); None if it cannot give them (demoted, an input it does not differentiate)."""
+        flows); None if it cannot give them (demoted, an input it does not differentiate).
+        ``formulas``: the grad mode the caller's backward runs its formulas under (silu's
+        differs by it); the graph that makes is let go at once."""
         if not self.held or any(i not in differentiated for i in wanted):
             return None
         # ``grads`` follow the Function's outputs: ``fn``'s, then the escaped ones.
@@ -108,13 +112,18 @@ class HeldGraph:
             self.demote()  # its graph goes as its backward consumes it
         if not pairs:
             return (None,) * len(wanted)
+        # (Only where the formulas differ by it, ``formulas.py``: else no graph, less memory.)
+        create = formulas and differ_by_grad_mode(edge.node for edge, _ in pairs)
         found = torch.autograd.grad(
             [edge for edge, _ in pairs],
             inputs,
             [g for _, g in pairs],
             retain_graph=retain,
+            create_graph=create,
             allow_unused=True,
         )
+        if create:
+            found = tuple(None if t is None else t.detach() for t in found)
         order = list(differentiated)
         return tuple(found[order.index(i)] for i in wanted)
 
