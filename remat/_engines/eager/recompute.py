@@ -96,7 +96,10 @@ class RecomputingFrame(FinishingFrame):
                             if not self._recompute_skipping():
                                 raise
                         else:
-                            if None in [h.tensor for h in self.needed.values()]:
+                            # By identity: ``None in [...]`` would compare each tensor
+                            # with ``==``, a torch op per saved tensor (+27M
+                            # instructions per step on the 8-block stack).
+                            if any(h.tensor is None for h in self.needed.values()):
                                 self._recompute_skipping()  # else raises below
                 except RuntimeError:
                     _explain_outside_grad(self)
