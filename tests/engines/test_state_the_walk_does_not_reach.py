@@ -208,3 +208,35 @@ def test_batch_norm_in_eval_then_training_mode_before_one_backward(policy: str) 
     for e, f, p, r in zip(eager, functional, plain, ran, strict=True):
         torch.testing.assert_close(e, p)
         torch.testing.assert_close(f, r)
+
+
+@pytest.mark.parametrize("engine", ["eager", "functional"])
+def test_tiny_gpt2_passed_as_an_argument_switched_to_eval(engine: str) -> None:
+    """A Hugging Face model given to the region as an argument, dropout on, switched
+    to eval before the backward: the recompute draws the forward's masks in training
+    mode, as without remat."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                     n_positions=32, resid_pdrop=0.3, attn_pdrop=0.3,
+                                     embd_pdrop=0.3)
+    ids = torch.arange(24).reshape(2, 12) % 64
+
+    def loss_of(ids: torch.Tensor, model: nn.Module) -> torch.Tensor:
+        return model(ids, labels=ids, use_cache=False).loss
+
+    def grads(region: object) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).train()
+        torch.manual_seed(3)
+        loss = region(ids, model)  # type: ignore[operator]
+        model.eval()
+        loss.backward()
+        return _grads(model)
+
+    want = grads(loss_of)
+    with RecomputeCounter() as counter:
+        got = grads(remat.remat(loss_of, engine=engine))
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    assert counter.counts["addmm"] > 0, counter.counts
